@@ -1,0 +1,5 @@
+"""Model families; importing this package registers every entry point (zoo's registry and timm's)."""
+
+from .registry import create_model, list_models, model_info, register_model
+
+__all__ = ["create_model", "list_models", "model_info", "register_model"]

@@ -1,0 +1,102 @@
+"""The zoo's model registry: ``register_model`` decorates an entry point (its function name is the model
+name), ``create_model`` / ``list_models`` look them up, ``model_info`` counts parameters and FLOPs.
+Every entry point is mirrored into timm's registry as ``zoo_<name>``, so ``timm.create_model`` finds it."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+
+import torch
+from timm.models import register_model as timm_register_model
+from torch import nn
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+_entrypoints: dict[str, Callable[..., nn.Module]] = {}
+default_cfgs: dict[str, dict] = {}  # read by timm's register_model for the zoo_<name> pretrained cfgs
+
+
+def _timm_entrypoint(name: str, fn: Callable[..., nn.Module], first_conv: str, classifier: str):
+    timm_name = f"zoo_{name}"
+
+    def entrypoint(pretrained: bool = False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None,
+                   **kwargs):
+        if pretrained:
+            raise ValueError(f"{timm_name} has no pretrained weights on any hub; create it with pretrained=False "
+                             "and load a trained run with zoo.load_run(...)")
+        return fn(**kwargs)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = timm_name
+    entrypoint.__module__ = __name__
+    entrypoint.__doc__ = fn.__doc__
+    default_cfgs[timm_name] = dict(
+        url="", num_classes=10, input_size=(3, 32, 32), pool_size=None, crop_pct=1.0, interpolation="bicubic",
+        mean=CIFAR10_MEAN, std=CIFAR10_STD, first_conv=first_conv, classifier=classifier,
+    )
+    timm_register_model(entrypoint)
+
+
+def register_model(first_conv: str, classifier: str = "head"):
+    """Decorator for a zoo entry point; ``first_conv`` / ``classifier`` are the module names timm's
+    pretrained cfg records (for adapting input channels and heads)."""
+
+    def decorator(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        _entrypoints[fn.__name__] = fn
+        _timm_entrypoint(fn.__name__, fn, first_conv, classifier)
+        return fn
+
+    return decorator
+
+
+def list_models() -> list[str]:
+    """Names of every registered zoo model, sorted."""
+    return sorted(_entrypoints)
+
+
+def create_model(name: str, **kwargs) -> nn.Module:
+    """Build a registered model, e.g. ``create_model("vit_tiny", num_classes=10, img_size=32)``.
+    The ``zoo_`` prefix timm uses is accepted too. Unknown name -> ValueError with close matches."""
+    key = name.removeprefix("zoo_") if isinstance(name, str) else name
+    if key not in _entrypoints:
+        close = difflib.get_close_matches(str(key), list_models(), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown model {name!r}{hint} Available: {', '.join(list_models())}")
+    model = _entrypoints[key](**kwargs)
+    model.zoo_name = key
+    model.zoo_kwargs = dict(kwargs)
+    return model
+
+
+def model_info(model: nn.Module, input_size: tuple[int, int, int] | None = None) -> dict:
+    """{'params', 'trainable_params', 'flops', 'input_size'}: flops are forward FLOPs per image
+    (a multiply-add counts 2), counted by torch.utils.flop_counter with every attention module on the
+    math backend so the attention matmuls are included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..attention import MultiHeadAttention
+
+    if input_size is None:
+        size = getattr(model, "img_size", 32)
+        size = size if isinstance(size, int) else size[0]
+        input_size = (getattr(model, "in_chans", 3), size, size)
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    attn = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    saved = [m.backend for m in attn]
+    was_training = model.training
+    try:
+        for m in attn:
+            m.backend = "math"
+        model.eval()
+        p = next(model.parameters())
+        x = torch.zeros(1, *input_size, device=p.device, dtype=p.dtype)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(x)
+    finally:
+        for m, b in zip(attn, saved):
+            m.backend = b
+        model.train(was_training)
+    return {"params": params, "trainable_params": trainable, "flops": int(counter.get_total_flops()),
+            "input_size": tuple(input_size)}
