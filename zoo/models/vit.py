@@ -1,0 +1,232 @@
+"""Vision Transformer (Dosovitskiy et al. 2020, https://arxiv.org/abs/2010.11929) built from
+``zoo.MultiHeadAttention``, sized for CIFAR-10 (32x32 images, 4x4 patches).
+
+The defaults are timm's plain ``VisionTransformer`` (class token, learned position embedding, pre-norm
+blocks with LayerNorm eps 1e-6 and GELU, qkv bias, no dropout or drop path), with timm's parameter names
+(``cls_token``, ``pos_embed``, ``patch_embed.proj``, ``blocks.i.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,
+mlp.fc2}``, ``norm``, ``fc_norm``, ``head``), so weights move to and from timm by a plain state_dict copy
+(``zoo.interop``). Options timm lacks: a fixed 2D sin-cos position embedding (MAE) and a learned 2D relative
+position bias in every attention layer (Swin-style), and a selectable attention backend.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from einops import rearrange
+from timm.layers import (
+    DropPath,
+    Mlp,
+    calculate_drop_path_rates,
+    resample_abs_pos_embed,
+    to_2tuple,
+    trunc_normal_,
+)
+from torch import nn
+
+from ..attention import MultiHeadAttention
+from ..posembed import sincos_pos_embed_2d
+from .registry import register_model
+
+LayerNormEps6 = partial(nn.LayerNorm, eps=1e-6)  # timm's ViT norm
+
+__all__ = ["Block", "Mlp", "PatchEmbed", "VisionTransformer", "vit_nano", "vit_small", "vit_tiny"]
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches -> tokens: a ``patch_size``-strided conv ``proj``.
+    (B, in_chans, H, W) with (H, W) == img_size -> (B, gh * gw, embed_dim), row-major over the grid."""
+
+    def __init__(self, img_size: int | tuple[int, int] = 32, patch_size: int | tuple[int, int] = 4,
+                 in_chans: int = 3, embed_dim: int = 192):
+        super().__init__()
+        self.img_size = to_2tuple(img_size)
+        self.patch_size = to_2tuple(patch_size)
+        if any(s % p for s, p in zip(self.img_size, self.patch_size, strict=True)):
+            raise ValueError(f"img_size {self.img_size} must be divisible by patch_size {self.patch_size}")
+        self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.in_chans = in_chans
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expected = (self.in_chans, *self.img_size)
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or tuple(x.shape[1:]) != expected:
+            given = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"expected images of shape (B, C, H, W) = (B, {', '.join(map(str, expected))}), "
+                             f"got {given}")
+        return rearrange(self.proj(x), "b c gh gw -> b (gh gw) c")
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + drop_path(attn(norm1(x))), then x + drop_path(mlp(norm2(x))).
+    Tokens (B, N, dim) -> (B, N, dim).
+
+    Args:
+        attn_layer: the attention class, called as ``attn_layer(dim, num_heads, qkv_bias=..., attn_drop=...,
+            proj_drop=..., **attn_kwargs)``; ``zoo.MultiHeadAttention`` by default.
+        attn_kwargs: extra keyword arguments for it, e.g. ``rel_pos_grid``, ``num_prefix_tokens``,
+            ``backend``.
+        drop_path: stochastic depth rate of both residual branches.
+        proj_drop, attn_drop: dropout after the attention / MLP projections and on the attention weights.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
+                 drop_path: float = 0.0, proj_drop: float = 0.0, attn_drop: float = 0.0,
+                 norm_layer=LayerNormEps6, act_layer=nn.GELU,
+                 attn_layer=MultiHeadAttention, attn_kwargs: dict | None = None):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = attn_layer(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop,
+                               **(attn_kwargs or {}))
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class VisionTransformer(nn.Module):
+    """ViT classifier: patch embedding, [class token], position embedding, pre-norm blocks, pooling, head.
+
+    Args:
+        img_size, patch_size: int or (h, w); img_size must be divisible by patch_size. Inputs must have
+            exactly img_size. A learned ``pos_embed`` saved at another (square) grid is resampled
+            (bicubic, timm's ``resample_abs_pos_embed``) when a state_dict is loaded.
+        num_classes: 0 -> ``forward`` returns pooled features (B, embed_dim).
+        global_pool: "token" (class token, final ``norm`` before pooling) or "avg" (no class token, mean over
+            patch tokens, then ``fc_norm``), as timm places the final norm.
+        pos_embed: "learn" (trunc-normal initialised parameter) or "sincos" (fixed 2D sin-cos buffer, zero
+            for the class token).
+        rel_pos_bias: a learned 2D relative position bias over the patch grid in every attention layer.
+        drop_rate: dropout before the head. proj_drop_rate / attn_drop_rate: dropout in every block.
+        drop_path_rate: stochastic depth, rising linearly from 0 at the first block to this at the last.
+        backend: attention backend of every block ("auto", "sdpa", "math", "chunked", "linear").
+    """
+
+    def __init__(self, img_size: int | tuple[int, int] = 32, patch_size: int | tuple[int, int] = 4,
+                 in_chans: int = 3, num_classes: int = 10, *, global_pool: str = "token",
+                 embed_dim: int = 192, depth: int = 12, num_heads: int = 3, mlp_ratio: float = 4.0,
+                 qkv_bias: bool = True, pos_embed: str = "learn", rel_pos_bias: bool = False,
+                 drop_rate: float = 0.0, proj_drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
+                 drop_path_rate: float = 0.0, backend: str = "auto"):
+        super().__init__()
+        if global_pool not in ("token", "avg"):
+            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        if pos_embed not in ("learn", "sincos"):
+            raise ValueError(f"pos_embed must be 'learn' or 'sincos', got {pos_embed!r}")
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.num_features = self.embed_dim = embed_dim
+        self.num_prefix_tokens = 1 if global_pool == "token" else 0
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.img_size, self.patch_size = self.patch_embed.img_size, self.patch_embed.patch_size
+        self.grid_size, self.in_chans = self.patch_embed.grid_size, in_chans
+
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if self.num_prefix_tokens else None
+        num_tokens = self.num_prefix_tokens + self.patch_embed.num_patches
+        if pos_embed == "learn":
+            self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
+        else:
+            table = sincos_pos_embed_2d(embed_dim, self.grid_size)  # (gh * gw, C); zero for the class token
+            table = nn.functional.pad(table, (0, 0, self.num_prefix_tokens, 0))
+            self.register_buffer("pos_embed", table[None], persistent=False)
+
+        attn_kwargs = dict(backend=backend)
+        if rel_pos_bias:
+            attn_kwargs.update(rel_pos_grid=self.grid_size, num_prefix_tokens=self.num_prefix_tokens)
+        self.blocks = nn.Sequential(*[
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=rate, proj_drop=proj_drop_rate,
+                  attn_drop=attn_drop_rate, attn_kwargs=attn_kwargs)
+            for rate in calculate_drop_path_rates(drop_path_rate, depth)])
+        self.norm = LayerNormEps6(embed_dim) if global_pool == "token" else nn.Identity()
+        self.fc_norm = LayerNormEps6(embed_dim) if global_pool == "avg" else nn.Identity()
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """timm's default ViT init: trunc-normal(0.02) Linear weights and pos_embed, zero biases,
+        class token N(0, 1e-6); conv, LayerNorm and relative-bias tables keep their own init."""
+        if isinstance(self.pos_embed, nn.Parameter):
+            trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "pos_embed"
+        if isinstance(self.pos_embed, nn.Parameter) and key in state_dict:
+            saved = state_dict[key]
+            if saved.shape != self.pos_embed.shape and saved.dim() == 3 and saved.shape[-1] == self.embed_dim:
+                side = math.isqrt(saved.shape[1] - self.num_prefix_tokens)
+                if side * side != saved.shape[1] - self.num_prefix_tokens:
+                    raise ValueError(f"cannot resample a saved pos_embed of {saved.shape[1]} tokens "
+                                     f"({self.num_prefix_tokens} prefix + a non-square grid) to grid "
+                                     f"{self.grid_size}")
+                state_dict[key] = resample_abs_pos_embed(saved, list(self.grid_size), [side, side],
+                                                         num_prefix_tokens=self.num_prefix_tokens)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "cls_token"}
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """New head with ``num_classes`` outputs (0: none). ``global_pool`` "token" needs the class token;
+        the final norm keeps its place (before or after pooling)."""
+        if global_pool is not None:
+            if global_pool not in ("token", "avg"):
+                raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+            if global_pool == "token" and self.cls_token is None:
+                raise ValueError("global_pool='token' needs a class token; this model was built with 'avg'")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        device = self.patch_embed.proj.weight.device
+        self.head = nn.Linear(self.embed_dim, num_classes, device=device) if num_classes else nn.Identity()
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim), after the final norm."""
+        x = self.patch_embed(x)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.blocks(x + self.pos_embed)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Tokens (B, N, embed_dim) -> logits (B, num_classes), or pooled features (B, embed_dim)."""
+        x = x[:, 0] if self.global_pool == "token" else x[:, self.num_prefix_tokens:].mean(dim=1)
+        x = self.head_drop(self.fc_norm(x))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+@register_model(first_conv="patch_embed.proj", classifier="head")
+def vit_nano(**kwargs) -> VisionTransformer:
+    """ViT-Nano/4: width 128, depth 6, 4 heads, 4x4 patches (~1.2M parameters)."""
+    return VisionTransformer(**{**dict(patch_size=4, embed_dim=128, depth=6, num_heads=4), **kwargs})
+
+
+@register_model(first_conv="patch_embed.proj", classifier="head")
+def vit_tiny(**kwargs) -> VisionTransformer:
+    """ViT-Tiny/4: width 192, depth 12, 3 heads, 4x4 patches (~5.4M parameters)."""
+    return VisionTransformer(**{**dict(patch_size=4, embed_dim=192, depth=12, num_heads=3), **kwargs})
+
+
+@register_model(first_conv="patch_embed.proj", classifier="head")
+def vit_small(**kwargs) -> VisionTransformer:
+    """ViT-Small/4: width 384, depth 12, 6 heads, 4x4 patches (~21M parameters)."""
+    return VisionTransformer(**{**dict(patch_size=4, embed_dim=384, depth=12, num_heads=6), **kwargs})
