@@ -3,10 +3,11 @@ Importing zoo registers every model in timm's registry as ``zoo_<name>``."""
 
 from . import masks
 from .attention import BACKENDS, KVCache, MultiHeadAttention, get_backend, set_backend
+from .explain import attention_rollout, record_attention
 from .models import create_model, list_models, model_info, register_model
 
 __all__ = [
     "BACKENDS", "KVCache", "MultiHeadAttention", "create_model", "get_backend", "list_models", "masks",
-    "model_info", "register_model", "set_backend",
+    "model_info", "record_attention", "register_model", "set_backend", "attention_rollout",
 ]
 __version__ = "0.1.0"
