@@ -138,6 +138,12 @@ def _elu_feature(t: torch.Tensor) -> torch.Tensor:
     return F.elu(t) + 1.0
 
 
+def _divide_or_zero(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den, and 0 where den == 0 (every key masked); finite gradients there too, unlike a clamp,
+    whose backward divides by tiny**2 == 0."""
+    return num / den.masked_fill(den == 0, 1.0)
+
+
 def _linear_attention(q, k, v, masking: _Masking, need_weights: bool):
     """phi(q) (phi(k)^T v) / (phi(q) . sum phi(k)) with phi = elu + 1. Supports key masks of shape
     (B or 1, H or 1, 1, M) and is_causal (prefix sums); other masks -> ValueError."""
@@ -158,13 +164,13 @@ def _linear_attention(q, k, v, masking: _Masking, need_weights: bool):
     else:
         num = torch.einsum("bhnd,bhde->bhne", q, torch.einsum("bhmd,bhme->bhde", k, v))
         den = torch.einsum("bhnd,bhd->bhn", q, k.sum(dim=2))[..., None]
-    out = num / den.clamp_min(torch.finfo(torch.float32).tiny)  # den = 0 only when every key is masked
+    out = _divide_or_zero(num, den)  # den = 0 only when every key is masked
     weights = None
     if need_weights:
         affinity = torch.einsum("bhnd,bhmd->bhnm", q, k)
         if masking.causal:
             affinity = affinity * causal_mask(masking.n, masking.m, device=q.device)
-        weights = affinity / affinity.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        weights = _divide_or_zero(affinity, affinity.sum(-1, keepdim=True))
     return out.to(dtype), weights
 
 
