@@ -5,9 +5,11 @@ from . import interop, masks
 from .attention import BACKENDS, KVCache, MultiHeadAttention, get_backend, set_backend
 from .explain import attention_rollout, record_attention
 from .models import create_model, list_models, model_info, register_model
+from .runs import load_run
 
 __all__ = [
     "BACKENDS", "KVCache", "MultiHeadAttention", "create_model", "get_backend", "interop", "list_models",
-    "masks", "model_info", "record_attention", "register_model", "set_backend", "attention_rollout",
+    "load_run", "masks", "model_info", "record_attention", "register_model", "set_backend",
+    "attention_rollout",
 ]
 __version__ = "0.1.0"
