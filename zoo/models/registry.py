@@ -26,7 +26,9 @@ def _timm_entrypoint(name: str, fn: Callable[..., nn.Module], first_conv: str, c
         if pretrained:
             raise ValueError(f"{timm_name} has no pretrained weights on any hub; create it with pretrained=False "
                              "and load a trained run with zoo.load_run(...)")
-        return fn(**kwargs)
+        model = fn(**kwargs)
+        model.pretrained_cfg = model.default_cfg = dict(default_cfgs[timm_name])  # read by timm.data
+        return model
 
     entrypoint.__name__ = entrypoint.__qualname__ = timm_name
     entrypoint.__module__ = __name__
