@@ -126,7 +126,8 @@ def test_equals_torch_multihead_attention(backend, masking, kind):
         ours["mask"], theirs["attn_mask"] = additive, additive
     elif masking == "key_padding":
         lengths = [m, m - 2]
-        ours["mask"], theirs["key_padding_mask"] = padding_mask(lengths, m), ~padding_mask(lengths, m)[:, 0, 0]
+        ours["mask"] = padding_mask(lengths, m)
+        theirs["key_padding_mask"] = ~ours["mask"][:, 0, 0]
     with torch.no_grad():
         expected = mha(x, kv_in, kv_in, need_weights=False, **theirs)[0]
         got = attn(x, context, **ours)
@@ -325,8 +326,8 @@ def test_is_causal_with_fewer_queries_is_bottom_right_aligned(backend):
     x, context = torch.randn(2, n, DIM), torch.randn(2, m, DIM)
     by_hand = torch.tensor([[j <= i + (m - n) for j in range(m)] for i in range(n)])
     with torch.no_grad():
-        torch.testing.assert_close(attn(x, context, is_causal=True), attn(x, context, mask=by_hand), atol=1e-6,
-                                   rtol=1e-6)
+        torch.testing.assert_close(attn(x, context, is_causal=True), attn(x, context, mask=by_hand),
+                                   atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(attn(x, context, is_causal=True),
                                    _reference_softmax(attn, x, context, _bool_to_float(by_hand)), atol=1e-5,
                                    rtol=1e-5)
@@ -342,9 +343,8 @@ def test_kv_cache_step_by_step_equals_one_causal_pass(backend):
         steps = torch.cat([attn(x[:, t:t + 1], is_causal=True, kv_cache=cache) for t in range(7)], dim=1)
     assert len(cache) == 7
     torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(full, _reference_softmax(attn, x, float_mask=_bool_to_float(torch.ones(7, 7).tril()
-                                                                                           .bool())),
-                               atol=1e-5, rtol=1e-5)
+    causal = _bool_to_float(torch.ones(7, 7).tril().bool())
+    torch.testing.assert_close(full, _reference_softmax(attn, x, float_mask=causal), atol=1e-5, rtol=1e-5)
 
 
 def test_kv_cache_rejects_other_batch():
@@ -383,7 +383,8 @@ def test_rel_pos_module_output_equals_math_with_bias_as_float_mask():
     plain.load_state_dict(attn.state_dict(), strict=False)
     with torch.no_grad():
         torch.testing.assert_close(attn(x), plain(x, mask=bias), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(attn(x), _reference_softmax(attn, x, float_mask=bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attn(x), _reference_softmax(attn, x, float_mask=bias), atol=1e-5,
+                                   rtol=1e-5)
 
 
 def test_rel_pos_bias_gets_gradients():

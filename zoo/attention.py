@@ -59,7 +59,8 @@ class KVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add new keys/values along the sequence axis and return all of them."""
         if self.k is not None and (self.k.shape[:2] != k.shape[:2] or self.k.shape[-1] != k.shape[-1]):
-            raise ValueError(f"KV cache holds (B, H, T, D) = {tuple(self.k.shape)}, new keys are {tuple(k.shape)}")
+            raise ValueError(f"KV cache holds (B, H, T, D) = {tuple(self.k.shape)}, "
+                             f"new keys are {tuple(k.shape)}")
         self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)
         return self.k, self.v
@@ -83,7 +84,7 @@ class _Masking:
     def empty(self) -> bool:
         return self.mask is None and not self.causal and self.rel_bias is None
 
-    def bias(self, rows: slice, dtype: torch.dtype, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def bias(self, rows: slice, dtype: torch.dtype, device) -> tuple[torch.Tensor | None, ...]:
         """(bias, row_ok) for query rows ``rows``: bias is bool (True = attend) or float (added), with
         fully-masked rows opened up so softmax stays finite; row_ok (..., rows, 1) is False for those rows,
         whose output the caller must zero. Both None when nothing masks."""
@@ -98,8 +99,7 @@ class _Masking:
             else:
                 additive = part
         if self.causal:
-            start, stop, _ = rows.indices(self.n)
-            causal = causal_mask(self.n, self.m, device=device)[start:stop]
+            causal = causal_mask(self.n, self.m, rows=rows, device=device)
             allowed = causal if allowed is None else allowed & causal
         if self.rel_bias is not None:
             part = self.rel_bias[:, rows]
@@ -148,9 +148,11 @@ def _linear_attention(q, k, v, masking: _Masking, need_weights: bool):
     """phi(q) (phi(k)^T v) / (phi(q) . sum phi(k)) with phi = elu + 1. Supports key masks of shape
     (B or 1, H or 1, 1, M) and is_causal (prefix sums); other masks -> ValueError."""
     mask = masking.mask
-    if masking.rel_bias is not None or (mask is not None and (mask.dtype != torch.bool or mask.shape[-2] != 1)):
+    key_mask_only = mask is None or (mask.dtype == torch.bool and mask.shape[-2] == 1)
+    if masking.rel_bias is not None or not key_mask_only:
         raise ValueError("the linear backend supports only boolean key masks of shape (B, 1, 1, M) and "
-                         "is_causal; use backend='sdpa' or 'math' for other masks or a relative position bias")
+                         "is_causal; use backend='sdpa' or 'math' for other masks or a relative position "
+                         "bias")
     dtype = q.dtype
     q, k, v = (_elu_feature(q.float()), _elu_feature(k.float()), v.float())
     if mask is not None:
@@ -176,7 +178,8 @@ def _linear_attention(q, k, v, masking: _Masking, need_weights: bool):
 
 def _check_rank3(name: str, t, width: int, width_name: str) -> None:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor of shape (B, N, {width_name}={width}), got {type(t).__name__}")
+        raise ValueError(f"{name} must be a tensor of shape (B, N, {width_name}={width}), "
+                         f"got {type(t).__name__}")
     if t.dim() != 3 or t.shape[-1] != width:
         raise ValueError(f"{name} must have shape (B, N, {width_name}={width}), got {tuple(t.shape)}")
     if not t.is_floating_point():
@@ -184,15 +187,19 @@ def _check_rank3(name: str, t, width: int, width_name: str) -> None:
 
 
 def _check_mask(mask, b: int, h: int, n: int, m: int, device) -> torch.Tensor:
-    expected = f"a bool (True = may attend) or float (added) tensor broadcastable to (B, H, N, M) = {(b, h, n, m)}"
+    expected = ("a bool (True = may attend) or float (added) tensor broadcastable to "
+                f"(B, H, N, M) = {(b, h, n, m)}")
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"mask must be {expected}, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise ValueError(f"mask must be {expected}, got dtype {mask.dtype}")
-    if not 2 <= mask.dim() <= 4 or any(s not in (1, t) for s, t in zip(mask.shape[::-1], (m, n, h, b))):
+    full = (b, h, n, m)
+    if not 2 <= mask.dim() <= 4 or any(s not in (1, t) for s, t in zip(mask.shape, full[-mask.dim():],
+                                                                         strict=True)):
         raise ValueError(f"mask must be {expected}, got shape {tuple(mask.shape)}")
     if mask.device != device:
-        raise ValueError(f"mask is on {mask.device} but the input is on {device}; move it with mask.to(x.device)")
+        raise ValueError(f"mask is on {mask.device} but the input is on {device}; "
+                         "move it with mask.to(x.device)")
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
     return mask
@@ -206,8 +213,9 @@ class MultiHeadAttention(nn.Module):
         num_heads: number of heads; head_dim = dim // num_heads.
         context_dim: width of the context for cross-attention. None: the module has one fused
             ``qkv = Linear(dim, 3 * dim)`` laid out as (3, heads, head_dim), as timm's ``Attention.qkv`` and
-            ``nn.MultiheadAttention.in_proj_weight``; it still accepts a context of width ``dim``. Given:
-            ``q = Linear(dim, dim)`` and ``kv = Linear(context_dim, 2 * dim)`` laid out as (2, heads, head_dim).
+            ``nn.MultiheadAttention.in_proj_weight``; it still accepts a context of width ``dim``.
+            Given: ``q = Linear(dim, dim)`` and ``kv = Linear(context_dim, 2 * dim)`` laid out as
+            (2, heads, head_dim).
         qkv_bias: bias on the input projections.
         attn_drop, proj_drop: dropout on the attention probabilities and on the output.
         backend: "auto" | "sdpa" | "math" | "chunked" | "linear". Public attribute, read at every forward.
@@ -218,7 +226,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, dim: int, num_heads: int = 8, *, context_dim: int | None = None, qkv_bias: bool = True,
                  attn_drop: float = 0.0, proj_drop: float = 0.0, backend: str = "auto",
-                 rel_pos_grid: tuple[int, int] | None = None, num_prefix_tokens: int = 0, chunk_size: int = 256):
+                 rel_pos_grid: tuple[int, int] | None = None, num_prefix_tokens: int = 0,
+                 chunk_size: int = 256):
         super().__init__()
         if num_heads < 1 or dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
@@ -255,9 +264,10 @@ class MultiHeadAttention(nn.Module):
         if context is None:
             q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.num_heads)
             return q, k, v
-        if self.context_dim is None:  # cross-attention through the fused weights, as nn.MultiheadAttention does
-            w_q, w_kv = self.qkv.weight.split([self.dim, 2 * self.dim])
-            b_q, b_kv = self.qkv.bias.split([self.dim, 2 * self.dim]) if self.qkv.bias is not None else (None, None)
+        if self.context_dim is None:  # cross-attention through the fused weights, as nn.MultiheadAttention
+            sizes = [self.dim, 2 * self.dim]
+            w_q, w_kv = self.qkv.weight.split(sizes)
+            b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split(sizes)
             q, kv = F.linear(x, w_q, b_q), F.linear(context, w_kv, b_kv)
         else:
             q, kv = self.q(x), self.kv(context)
@@ -265,8 +275,9 @@ class MultiHeadAttention(nn.Module):
         k, v = rearrange(kv, "b m (two h d) -> two b h m d", two=2, h=self.num_heads)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
-                is_causal: bool = False, need_weights: bool = False, kv_cache: KVCache | None = None):
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
+                mask: torch.Tensor | None = None, is_causal: bool = False, need_weights: bool = False,
+                kv_cache: KVCache | None = None):
         """x: (B, N, dim); context: (B, M, context_dim or dim) or None (self-attention).
         mask: bool (True = may attend) or float (added), broadcastable to (B, H, N, M).
         is_causal: query i sees keys j <= i + M - N (bottom-right aligned when a KV cache makes M > N).
@@ -309,7 +320,8 @@ class MultiHeadAttention(nn.Module):
         if backend == "linear":
             return _linear_attention(q, k, v, masking, need_weights)
         if backend == "sdpa":
-            if masking.causal and masking.mask is None and masking.rel_bias is None and masking.n == masking.m:
+            only_causal = masking.causal and masking.mask is None and masking.rel_bias is None
+            if only_causal and masking.n == masking.m:  # torch's is_causal is top-left aligned when N != M
                 return _sdpa_attention(q, k, v, None, None, dropout_p, is_causal=True), None
             bias, row_ok = masking.bias(slice(None), q.dtype, q.device)
             return _sdpa_attention(q, k, v, bias, row_ok, dropout_p, is_causal=False), None

@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 
 
-def causal_mask(n: int, m: int | None = None, *, device=None) -> torch.Tensor:
+def causal_mask(n: int, m: int | None = None, *, rows: slice | None = None, device=None) -> torch.Tensor:
     """(n, m) bool, True on and below the diagonal. With m > n (a KV cache) the diagonal is aligned
-    bottom-right: query i may attend key j when j <= i + m - n."""
+    bottom-right: query i may attend key j when j <= i + m - n. ``rows`` (a slice of the n queries) builds
+    only those rows, (len(rows), m), so a chunked caller never holds all n x m."""
     m = n if m is None else m
-    return torch.ones(n, m, dtype=torch.bool, device=device).tril(diagonal=m - n)
+    query = torch.arange(n, device=device)[rows if rows is not None else slice(None)]
+    return torch.arange(m, device=device)[None, :] <= query[:, None] + (m - n)
 
 
 def padding_mask(lengths: torch.Tensor | list[int], n: int) -> torch.Tensor:
