@@ -102,6 +102,11 @@ def parse_set(items: list[str] | tuple[str, ...]) -> dict:
         if not sep or not key:
             raise ValueError(f"--set expects key=value, got {item!r}")
         value = yaml.safe_load(raw) if raw.strip() else None
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         *parents, leaf = key.strip().split(".")
         node = layer
         for part in parents:
