@@ -24,8 +24,8 @@ def _timm_entrypoint(name: str, fn: Callable[..., nn.Module], first_conv: str, c
     def entrypoint(pretrained: bool = False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None,
                    **kwargs):
         if pretrained:
-            raise ValueError(f"{timm_name} has no pretrained weights on any hub; create it with pretrained=False "
-                             "and load a trained run with zoo.load_run(...)")
+            raise ValueError(f"{timm_name} has no pretrained weights on any hub; create it with "
+                             "pretrained=False and load a trained run with zoo.load_run(...)")
         model = fn(**kwargs)
         model.pretrained_cfg = model.default_cfg = dict(default_cfgs[timm_name])  # read by timm.data
         return model
@@ -97,7 +97,7 @@ def model_info(model: nn.Module, input_size: tuple[int, int, int] | None = None)
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             model(x)
     finally:
-        for m, b in zip(attn, saved):
+        for m, b in zip(attn, saved, strict=True):
             m.backend = b
         model.train(was_training)
     return {"params": params, "trainable_params": trainable, "flops": int(counter.get_total_flops()),
