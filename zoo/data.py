@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import pickle
+import stat
 import tempfile
 import time
 import warnings
@@ -98,7 +99,9 @@ def _find_layout(root: Path, download: bool) -> tuple[str, Path]:
 
 def _download_cifar10(root: Path) -> None:
     try:
-        torchvision.datasets.CIFAR10(str(root), train=True, download=True)
+        cifar = torchvision.datasets.CIFAR10
+        torchvision.datasets.utils.download_and_extract_archive(cifar.url, str(root), filename=cifar.filename,
+                                                                md5=cifar.tgz_md5)
     except (OSError, RuntimeError) as err:  # URLError is an OSError
         reason = " ".join(str(err).split())
         raise DataError(
@@ -222,6 +225,12 @@ def _channel_stats(images: torch.Tensor, chunk: int = 4096) -> tuple[tuple[float
     mean = total / count
     std = (squares / count - mean.square()).clamp_min(0).sqrt()
     return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
+
+
+def _writable(folder: Path) -> bool:
+    """Whether we may write into ``folder``: permitted, and (for root, whom os.access always permits) its
+    owner-write bit set, so a folder marked read-only stays untouched."""
+    return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & stat.S_IWUSR)
 
 
 def _save_atomic(obj: dict, path: Path) -> None:
@@ -374,7 +383,7 @@ class ImageDataModule(pl.LightningDataModule):
         name = "zoo-cache-" + hashlib.sha1(json.dumps(spec).encode()).hexdigest()[:12] + ".pt"
         if self.cache_dir is not None:
             return self.cache_dir / name
-        if os.access(source, os.W_OK):
+        if _writable(source):
             return source / name
         return Path.home() / ".cache" / "zoo" / hashlib.sha1(str(source).encode()).hexdigest()[:16] / name
 
