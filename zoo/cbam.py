@@ -1,0 +1,132 @@
+"""CBAM, the Convolutional Block Attention Module (Woo et al., ECCV 2018, https://arxiv.org/abs/1807.06521):
+a channel gate from average- and max-pooled descriptors through one shared MLP, then a spatial gate from
+channel-wise mean and max maps through a k x k conv; both gates are sigmoids multiplied onto the features.
+
+``add_cbam`` puts a CBAM into every residual block of a torchvision or timm ResNet, on the residual branch
+after its last norm (``bn2`` in BasicBlock, ``bn3`` in Bottleneck) and before the addition. The CBAM becomes
+a new child ``block.cbam`` and a forward hook on the last norm passes the norm's output through it. We chose
+the hook over a wrapper around the norm (``bn2 = Sequential(bn2, cbam)``) because the wrapper renames the
+norm's parameters (``bn2.weight`` -> ``bn2.0.weight``), so an unmodified model's state_dict would no longer
+load; with the hook every original name stays and the only new keys are ``*.cbam.*`` (load with
+``strict=False``). timm blocks have an ``se`` slot at that place, but torchvision's do not, and one mechanism
+for both is simpler. The hook is a bound method of the CBAM module, so ``copy.deepcopy`` (EMA weights) and
+pickling carry it over to the copy's own CBAM.
+
+timm has a CBAM too (``timm.layers.CbamModule``), but its spatial gate adds a BatchNorm the formula here
+does not have, it has no hook for recording gates, and timm marks it experimental; so the zoo has its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["CBAM", "ChannelAttention", "SpatialAttention", "add_cbam"]
+
+
+def _check_image(x, channels: int | None = None) -> None:
+    expected = f"(B, {'C' if channels is None else channels}, H, W)"
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"CBAM expects a feature map of shape {expected}, got {got}")
+    if channels is not None and x.shape[1] != channels:
+        raise ValueError(f"CBAM expects a feature map of shape {expected} ({channels} channels), "
+                         f"got {tuple(x.shape)} ({x.shape[1]} channels)")
+
+
+class ChannelAttention(nn.Module):
+    """Channel gate: ``x * sigmoid(mlp(avgpool(x)) + mlp(maxpool(x)))`` with one shared MLP
+    ``fc1`` (1x1 conv channels -> hidden), ReLU, ``fc2`` (hidden -> channels), no biases, and
+    hidden = max(channels // reduction, 1). x: (B, channels, H, W) -> same shape."""
+
+    def __init__(self, channels: int, reduction: int = 16):
+        super().__init__()
+        if channels < 1 or reduction < 1:
+            raise ValueError(f"channels and reduction must be positive ints, got {channels} and {reduction}")
+        hidden = max(channels // reduction, 1)
+        self.channels = channels
+        self.fc1 = nn.Conv2d(channels, hidden, 1, bias=False)
+        self.act = nn.ReLU(inplace=True)
+        self.fc2 = nn.Conv2d(hidden, channels, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_image(x, self.channels)
+        avg = self.fc2(self.act(self.fc1(x.mean(dim=(2, 3), keepdim=True))))
+        peak = self.fc2(self.act(self.fc1(x.amax(dim=(2, 3), keepdim=True))))
+        return x * torch.sigmoid(avg + peak)
+
+
+class SpatialAttention(nn.Module):
+    """Spatial gate: ``x * sigmoid(conv([mean_c(x), max_c(x)]))`` with a k x k conv from 2 maps to 1
+    (padding k // 2, no bias). x: (B, C, H, W) -> same shape.
+
+    ``gate_hook``: None, or a callable that forward calls with the (B, 1, H, W) gate after the sigmoid
+    (``zoo.record_attention`` sets it)."""
+
+    def __init__(self, kernel_size: int = 7):
+        super().__init__()
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be a positive odd int (a 'same' conv), got {kernel_size}")
+        self.conv = nn.Conv2d(2, 1, kernel_size, padding=kernel_size // 2, bias=False)
+        self.gate_hook = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_image(x)
+        maps = torch.cat([x.mean(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)], dim=1)  # (B, 2, H, W)
+        gate = torch.sigmoid(self.conv(maps))  # (B, 1, H, W)
+        if self.gate_hook is not None:
+            self.gate_hook(gate)
+        return x * gate
+
+
+class CBAM(nn.Module):
+    """Channel attention, then spatial attention. x: (B, channels, H, W) -> same shape."""
+
+    def __init__(self, channels: int, reduction: int = 16, kernel_size: int = 7):
+        super().__init__()
+        self.channel = ChannelAttention(channels, reduction)
+        self.spatial = SpatialAttention(kernel_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.spatial(self.channel(x))
+
+    def _after_norm(self, norm: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        """Forward hook for a residual block's last norm (see ``add_cbam``): gate the norm's output."""
+        return self(output)
+
+
+def _residual_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(block, name of the last norm on its residual branch) for every torchvision / timm ResNet
+    BasicBlock or Bottleneck (or subclass) in ``model``; ValueError if there is none."""
+    from timm.models import resnet as timm_resnet
+    from torchvision.models import resnet as tv_resnet
+
+    last_norm = {tv_resnet.BasicBlock: "bn2", tv_resnet.Bottleneck: "bn3",
+                 timm_resnet.BasicBlock: "bn2", timm_resnet.Bottleneck: "bn3"}
+    blocks = []
+    for module in model.modules():
+        name = next((last_norm[cls] for cls in type(module).__mro__ if cls in last_norm), None)
+        if name is not None:
+            blocks.append((module, name))
+    if not blocks:
+        known = ", ".join(sorted({f"{c.__module__}.{c.__name__}" for c in last_norm}))
+        raise ValueError(f"add_cbam expects a ResNet with residual blocks ({known}); "
+                         f"{type(model).__name__} has none")
+    return blocks
+
+
+def add_cbam(model: nn.Module, reduction: int = 16, kernel_size: int = 7) -> nn.Module:
+    """Insert a CBAM into every residual block (BasicBlock / Bottleneck) of a torchvision or timm ResNet, in
+    place, after the block's last norm and before the residual addition; returns the model. The CBAM is the
+    new child ``block.cbam`` with ``bn.num_features`` channels (expansion x planes in a Bottleneck); original
+    parameter names are unchanged, so ``model.load_state_dict(plain_state, strict=False)`` misses only
+    ``*.cbam.*`` keys. A model without such blocks, or whose blocks already have a CBAM -> ValueError."""
+    blocks = _residual_blocks(model)
+    if any(hasattr(block, "cbam") for block, _ in blocks):
+        raise ValueError("add_cbam: this model's residual blocks already have a CBAM")
+    for block, norm_name in blocks:
+        norm = getattr(block, norm_name)
+        like = next(block.parameters())
+        block.cbam = CBAM(norm.num_features, reduction, kernel_size).to(like.device, like.dtype)
+        norm.register_forward_hook(block.cbam._after_norm)
+    return model
