@@ -1,0 +1,132 @@
+"""Speed and memory of a model: inference and training throughput, batch-1 latency, peak memory.
+
+Each measurement warms up, then reports the median of several timed repeats (the device is synchronised
+around each). ``precision`` is Lightning's spelling: "32" (float32), "bf16-mixed" / "16-mixed" (autocast).
+The training step runs on a copy of the model, so the model passed in is left untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Shape = tuple[int, int, int]  # (C, H, W) of one image
+PRECISIONS = {"32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    dtype = PRECISIONS[precision]
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int = 1,
+                   repeats: int = 5) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed ones."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def measure_inference(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 256, *,
+                      precision: str = "32", warmup: int = 1, repeats: int = 5) -> float:
+    """Forward images/s in eval mode, ``batch`` images of ``input_shape`` (C, H, W), on the model's device."""
+    device = _device(model)
+    was_training = model.training
+    model.eval()
+    x = torch.randn(batch, *input_shape, device=device)
+
+    def step():
+        with _autocast(device, precision):
+            model(x)
+
+    try:
+        return batch / median_seconds(step, device, warmup=warmup, repeats=repeats)
+    finally:
+        model.train(was_training)
+
+
+def measure_latency(model: nn.Module, input_shape: Shape = (3, 32, 32), *, precision: str = "32",
+                    warmup: int = 3, repeats: int = 20) -> float:
+    """Median seconds of one batch-1 forward in eval mode."""
+    return 1.0 / measure_inference(model, input_shape, 1, precision=precision, warmup=warmup, repeats=repeats)
+
+
+def measure_training(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 128, *,
+                     num_classes: int = 10, precision: str = "32", warmup: int = 1,
+                     repeats: int = 5) -> float:
+    """Training images/s: forward, cross-entropy, backward and an AdamW step at ``batch``, on a copy of the
+    model (same device), so the weights of ``model`` do not change."""
+    device = _device(model)
+    trained = copy.deepcopy(model).train()
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-4)
+    x = torch.randn(batch, *input_shape, device=device)
+    y = torch.randint(0, num_classes, (batch,), device=device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(device, precision):
+            loss = F.cross_entropy(trained(x).float(), y)
+        loss.backward()
+        optimizer.step()
+
+    return batch / median_seconds(step, device, warmup=warmup, repeats=repeats)
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Peak accelerator memory in bytes allocated while running ``fn()``; None on the CPU (not tracked, and
+    ``fn`` is not run)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def benchmark_model(model: nn.Module, input_shape: Shape = (3, 32, 32), *, num_classes: int = 10,
+                    precision: str = "32", infer_batch: int = 256, train_batch: int = 128,
+                    repeats: int | None = None) -> dict:
+    """All of the above for one model on its current device: {"device", "precision", "inference_images_per_s",
+    "training_images_per_s", "latency_ms", "peak_memory_bytes" (training step; None on CPU), "repeats"}.
+    ``repeats`` defaults to 3 on the CPU (about a minute for a small ViT) and 10 on an accelerator."""
+    device = _device(model)
+    repeats = repeats or (3 if device.type == "cpu" else 10)
+    inference = measure_inference(model, input_shape, infer_batch, precision=precision, repeats=repeats)
+    training = measure_training(model, input_shape, train_batch, num_classes=num_classes, precision=precision,
+                                repeats=repeats)
+    latency = measure_latency(model, input_shape, precision=precision, repeats=max(repeats, 5))
+    memory = peak_memory(lambda: measure_training(model, input_shape, train_batch, num_classes=num_classes,
+                                                  precision=precision, warmup=0, repeats=1), device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "precision": precision, "inference_images_per_s": inference,
+            "training_images_per_s": training, "latency_ms": latency * 1000, "peak_memory_bytes": memory,
+            "infer_batch": infer_batch, "train_batch": train_batch, "repeats": repeats}
