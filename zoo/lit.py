@@ -290,9 +290,6 @@ def fit(cfg: dict) -> Path:
 
     accelerator = resolve_accelerator(cfg["accelerator"], cfg["devices"])
     precision = resolve_precision(cfg["precision"], accelerator)
-    run_dir, ckpt_path = prepare_run_dir(cfg)
-    pl.seed_everything(cfg["seed"], workers=True, verbose=False)
-
     dm = ImageDataModule(
         cfg["data_dir"], download=cfg["download"], img_size=cfg["img_size"], batch_size=cfg["batch_size"],
         eval_batch_size=cfg["eval_batch_size"], val_size=cfg["val_size"], seed=cfg["seed"],
@@ -300,6 +297,8 @@ def fit(cfg: dict) -> Path:
         max_test_images=cfg["max_test_images"])
     dm.prepare_data()
     dm.setup("fit")
+    run_dir, ckpt_path = prepare_run_dir(cfg)
+    pl.seed_everything(cfg["seed"], workers=True, verbose=False)
 
     channels_last = cfg["channels_last"]
     if channels_last == "auto":
