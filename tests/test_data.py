@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import urllib.error
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.data import _update_dataloader
 from PIL import Image
 from torch.utils.data import DistributedSampler
@@ -281,8 +283,10 @@ def cache_files(tmp_path) -> list[Path]:
 def test_second_setup_reads_the_cache_without_decoding(tmp_path, decode_calls):
     write_imagefolder(tmp_path / "data")
     first = make(tmp_path / "data", tmp_path)
-    first.prepare_data()
-    first.setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a clean build warns about nothing
+        first.prepare_data()
+        first.setup()
     assert len(decode_calls) == 24
     [cache] = cache_files(tmp_path)
     second = make(tmp_path / "data", tmp_path)
@@ -481,6 +485,43 @@ def test_pipeline_throughput_is_thousands_of_images_per_second(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert rate > 2000, f"{rate:.0f} images/s"
+
+
+class Recorder(LightningModule):
+    """A linear classifier that records what its steps receive."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(3 * 32 * 32, 10)
+        self.seen = {"train": [], "val": []}
+
+    def step(self, batch, stage):
+        images, labels = batch
+        self.seen[stage].append((images.dtype, tuple(labels.shape), labels.dtype))
+        return F.cross_entropy(self.head(images.flatten(1)), labels)
+
+    def training_step(self, batch, batch_idx):
+        return self.step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        self.step(batch, "val")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_lightning_trainer_calls_the_hooks(tmp_path):
+    write_cifar_batches(tmp_path / "data")
+    dm = make(tmp_path / "data", tmp_path, val_size=20, batch_size=16, augment={"mixup_alpha": 0.5})
+    model = Recorder()
+    trainer = Trainer(max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=2,
+                      accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's num_workers advice
+        trainer.fit(model, datamodule=dm)
+    assert model.seen["train"] == [(torch.float32, (16, 10), torch.float32)] * 2  # mixup: soft labels
+    assert model.seen["val"] == [(torch.float32, (16,), torch.int64)]
 
 
 # ---------------------------------------------------------------- real data
