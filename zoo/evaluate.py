@@ -174,7 +174,8 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
     deletion AUC of the model's explanation and of random), accuracy_vs_throughput.png, and rollout_grid.png
     (the same test images' rollouts, or CBAM maps, across models). Reuses each run's summary.json and any
     metrics.json / benchmark.json / deletion.json found in the run directory; measures only what is missing
-    (inference images/s on the CPU with few repeats; deletion on ``deletion_images`` images)."""
+    (inference images/s with few repeats; deletion on ``deletion_images`` seeded test images; test top-1, if
+    neither summary.json nor metrics.json has it, on those same images only)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows, heatmaps, grid = [], {}, None
@@ -182,7 +183,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
         model, meta = load_run(run_dir)
         summary = meta["summary"]
         dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size,
-                             max_test_images=None if (run_dir / "metrics.json").is_file() else 512)
+                             max_test_images=max(deletion_images, grid_images))
         metrics = _read_json(run_dir / "metrics.json") or {}
         bench = _read_json(run_dir / "benchmark.json") or {}
         deletion = _read_json(run_dir / "deletion.json")
