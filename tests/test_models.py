@@ -78,7 +78,7 @@ def hand_flops(model: nn.Module, x: torch.Tensor) -> int:
     zoo.MultiHeadAttention: 2 * N * M * dim each."""
     total = 0
 
-    def layer(module, inputs, out):
+    def layer(module, inputs, kwargs, out):
         nonlocal total
         if isinstance(module, nn.Conv2d):
             kh, kw = module.kernel_size
@@ -86,11 +86,13 @@ def hand_flops(model: nn.Module, x: torch.Tensor) -> int:
         elif isinstance(module, nn.Linear):
             total += 2 * out.numel() * module.in_features
         else:
-            q, context = inputs[0], (inputs[1] if len(inputs) > 1 and inputs[1] is not None else inputs[0])
+            q = inputs[0]
+            context = inputs[1] if len(inputs) > 1 else kwargs.get("context")
+            context = q if context is None else context
             total += 2 * 2 * q.shape[0] * q.shape[1] * context.shape[1] * module.dim
 
-    kinds = (nn.Conv2d, nn.Linear, zoo.MultiHeadAttention)
-    hooks = [m.register_forward_hook(layer) for m in model.modules() if isinstance(m, kinds)]
+    layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear, zoo.MultiHeadAttention))]
+    hooks = [m.register_forward_hook(layer, with_kwargs=True) for m in layers]
     try:
         with torch.no_grad():
             model(x)

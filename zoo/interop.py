@@ -105,7 +105,8 @@ def _copy(src: nn.Module, dst: nn.Module, src_grid: tuple[int, int], dst_grid: t
     state_dict["pos_embed"] = resample_abs_pos_embed(state_dict["pos_embed"], list(dst_grid), list(src_grid),
                                                      num_prefix_tokens=num_prefix_tokens)
     dst.load_state_dict(state_dict)
-    return dst.to(next(src.parameters()).device).train(src.training)
+    reference = next(src.parameters())
+    return dst.to(device=reference.device, dtype=reference.dtype).train(src.training)
 
 
 def vit_from_timm(timm_vit: TimmVisionTransformer, img_size: int | tuple[int, int] | None = None
