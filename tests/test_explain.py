@@ -247,3 +247,36 @@ def test_record_attention_spatial_gates():
     pooled = torch.cat([x.mean(1, keepdim=True), x.amax(1, keepdim=True)], 1)
     torch.testing.assert_close(rec.cbam[0], torch.sigmoid(F.conv2d(pooled, model[0].conv.weight, padding=3)))
     assert all(g.gate_hook is None for g in (model[0], model[2]))
+
+
+def test_record_attention_real_cbam_gates_match_the_direct_formula():
+    gate_module = zoo.cbam.SpatialAttention(kernel_size=7)
+    model = nn.Sequential(zoo.cbam.CBAM(16, reduction=4), nn.Conv2d(16, 16, 3), gate_module)
+    x = torch.randn(2, 16, 12, 12)
+    with torch.no_grad(), zoo.record_attention(model) as rec:
+        model(x)
+    with torch.no_grad():
+        inner = model[1](model[0](x))
+    assert [tuple(g.shape) for g in rec.cbam] == [(2, 1, 12, 12), (2, 1, 10, 10)]
+    assert all(((g >= 0) & (g <= 1)).all() for g in rec.cbam)
+    pooled = torch.stack([inner.mean(1), inner.max(1).values], 1)
+    expected = 1 / (1 + torch.exp(-F.conv2d(pooled, gate_module.conv.weight, padding=3)))
+    torch.testing.assert_close(rec.cbam[1], expected)
+    assert gate_module.gate_hook is None
+
+
+@pytest.mark.parametrize("name", zoo.list_models())
+def test_explain_every_registered_model(name):
+    model = zoo.create_model(name).eval()
+    attn = [m for m in model.modules() if isinstance(m, zoo.MultiHeadAttention)]
+    gates = [m for m in model.modules() if isinstance(m, zoo.cbam.SpatialAttention)]
+    out = explain(model, torch.randn(2, 3, 32, 32))
+    assert len(out.recording.maps) == len(attn) and len(out.recording.cbam) == len(gates)
+    assert (out.rollout is not None) == bool(attn) and (out.cbam is not None) == bool(gates)
+    if attn:
+        assert out.rollout.shape == (2, *model.grid_size)
+        assert out.heatmap is out.rollout  # the hybrid too: rollout first, its gates are for the figures
+    elif gates:
+        assert out.heatmap is out.cbam and ((out.cbam >= 0) & (out.cbam <= 1)).all()
+    else:
+        assert out.heatmap is None
