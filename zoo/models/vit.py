@@ -176,7 +176,6 @@ class VisionTransformer(nn.Module):
                                                          num_prefix_tokens=self.num_prefix_tokens)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token"}
 
@@ -193,8 +192,9 @@ class VisionTransformer(nn.Module):
                 raise ValueError("global_pool='token' needs a class token; this model was built with 'avg'")
             self.global_pool = global_pool
         self.num_classes = num_classes
-        device = self.patch_embed.proj.weight.device
-        self.head = nn.Linear(self.embed_dim, num_classes, device=device) if num_classes else nn.Identity()
+        weight = self.patch_embed.proj.weight
+        self.head = (nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype)
+                     if num_classes > 0 else nn.Identity())
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim), after the final norm."""
