@@ -91,8 +91,9 @@ class HybridNet(nn.Module):
         if global_pool not in (None, "avg"):
             raise ValueError(f"global_pool must be 'avg' (the only pooling here), got {global_pool!r}")
         self.num_classes = num_classes
-        device = self.norm.weight.device
-        self.head = nn.Linear(self.embed_dim, num_classes, device=device) if num_classes else nn.Identity()
+        weight = self.norm.weight
+        self.head = (nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype)
+                     if num_classes else nn.Identity())
 
     def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, *img_size) -> feature grid (B, embed_dim, gh, gw)."""
