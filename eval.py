@@ -3,6 +3,7 @@
     python eval.py --checkpoint runs/vit_tiny/<run-id> --out eval/vit_tiny [--attention --num-images 8]
                    [--deletion] [--benchmark] [--data-dir DIR] [--max-test-images N] [--batch-size B]
     python eval.py --compare runs/vit_tiny/<id> runs/resnet18_cbam/<id> --out eval/compare
+    python eval.py --bench-suite --out bench [--data-dir DIR]
 
 User errors (missing / truncated / foreign checkpoint, missing data) print one line and exit with code 2.
 """
@@ -19,6 +20,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", metavar="CKPT_OR_RUN_DIR", help="a run directory or a .ckpt file")
     what.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="run directories to compare")
+    what.add_argument("--bench-suite", action="store_true",
+                      help="the benchmark suite: attention op and vit_tiny vs timm, memory per backend, MFU, "
+                      "input pipeline, optimisation claims (bench.json + bench.md; ~5 min on 2 CPU cores)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--data-dir", help="data folder (default: the one the run was trained on)")
     p.add_argument("--max-test-images", type=int, help="evaluate on a seeded subset of this many test images")
@@ -44,6 +48,12 @@ def main(argv=None) -> int:
     from zoo.evaluate import compare_runs, evaluate_run
 
     try:
+        if args.bench_suite:
+            from zoo.bench_suite import run_suite
+
+            run_suite(args.out, data_dir=args.data_dir)
+            print(open(f"{args.out}/bench.md").read())
+            return 0
         if args.compare:
             compare_runs(args.compare, args.out, data_dir=args.data_dir, batch_size=args.batch_size,
                                 deletion_images=min(args.deletion_images, 64))

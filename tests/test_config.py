@@ -47,7 +47,7 @@ def test_unknown_key_names_the_valid_ones(tmp_path, layer):
 
 def test_config_file_chooses_the_model_and_unknown_models_suggest():
     cfg = resolve_config(None, CONFIG_DIR / "test_tiny.yaml")
-    assert cfg["model"] == "vit_nano" and cfg["model_args"]["depth"] == 2
+    assert cfg["model"] == "hybrid_tiny" and cfg["model_args"]["depth"] == 1
     with pytest.raises(ValueError, match="vit_tiny"):
         resolve_config("vit_tiy")
     with pytest.raises(ValueError, match="--model"):

@@ -1,24 +1,49 @@
-"""One real learning check: the test-only tiny ViT (configs/test_tiny.yaml) trained for about a minute on
-5,000 real CIFAR-10 images, with --max-time fitting its schedule, reaches >= 30% top-1 on 1,000 held-out
-real test images (chance is 10%)."""
+"""Real learning on real CIFAR-10 JPEGs (../shared/data/cifar10):
+
+- the test-only small hybrid (configs/test_tiny.yaml) trained for a fixed 6 epochs on 5,000 real training
+  images (about 20 s here) reaches >= 30% top-1 on 1,000 held-out real test images (chance is 10%); a fixed
+  step count, not a time budget, so a busy machine cannot turn it into a flaky test;
+- with ``--max-time`` the schedule is fitted to the budget: the run stops inside it with a decayed learning
+  rate and still tests at the end.
+"""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
 
+import pytest
+
 from zoo.config import CONFIG_DIR
 
 
-def test_tiny_vit_learns_real_cifar10_in_a_minute(cifar_dir, tmp_path):
+def _train(cifar_dir, tmp_path, *extra: str) -> dict:
     cmd = [sys.executable, str(CONFIG_DIR.parent / "train.py"),
            "--config", str(CONFIG_DIR / "test_tiny.yaml"),
-           "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path / "cache"), "--max-train-images", "5500",
-           "--max-test-images", "1000", "--epochs", "30", "--max-time", "00:00:01:00",
-           "--out", str(tmp_path / "runs")]
+           "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path.parent / "learning-cache"),
+           "--max-train-images", "5500", "--max-test-images", "1000", "--out", str(tmp_path / "runs"),
+           *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((tmp_path / done.stdout.strip().splitlines()[-1] / "summary.json").read_text())
+    run_dir = tmp_path / done.stdout.strip().splitlines()[-1]
+    return {"run_dir": run_dir, **json.loads((run_dir / "summary.json").read_text())}
+
+
+def test_small_hybrid_learns_real_cifar10(cifar_dir, tmp_path):
+    summary = _train(cifar_dir, tmp_path)
+    assert summary["global_step"] == 6 * (5000 // 64), summary
     assert summary["test_top1"] >= 0.30, summary
-    assert summary["global_step"] > 0 and summary["wall_time_s"] < 75
+
+
+@pytest.mark.parametrize("budget_s", [15])
+def test_max_time_fits_the_schedule_and_still_tests(cifar_dir, tmp_path, budget_s):
+    summary = _train(cifar_dir, tmp_path, "--epochs", "1000", "--max-time", f"00:00:00:{budget_s}")
+    assert summary["wall_time_s"] <= budget_s + 3, summary
+    assert summary["epochs"] < 1000 and summary["test_top1"] > 0.1, summary
+    with open(summary["run_dir"] / "metrics.csv") as f:
+        lrs = [float(r["lr-AdamW/pg1"]) for r in csv.DictReader(f) if r.get("lr-AdamW/pg1")]
+    peak = 0.003  # configs/test_tiny.yaml
+    assert max(lrs) > 0.5 * peak, lrs  # the warm-up reached the peak ...
+    assert lrs[-1] < 0.05 * peak, lrs  # ... and the cosine had decayed by the end of the budget

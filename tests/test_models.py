@@ -129,11 +129,30 @@ def test_vit_flops_match_closed_form(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_wrong_input_raises(name):
     model = eval_model(name)
-    with pytest.raises(ValueError, match="3"):
+    with pytest.raises(ValueError, match=r"\(B, 3, .*got \(1, 1, 32, 32\)"):  # expected and given
         model(batch(1, channels=1))
+    with pytest.raises(ValueError, match=r"got \(3, 32, 32\)"):  # no batch axis
+        model(batch(1)[0])
+    with pytest.raises(ValueError, match="got dtype torch.uint8"):  # raw pixels, not normalised
+        model(batch(1).to(torch.uint8))
     if hasattr(model, "grid_size"):  # models with a fixed token grid accept only their img_size
-        with pytest.raises(ValueError, match="32"):
+        with pytest.raises(ValueError, match=r"\(B, 3, 32, 32\), got \(1, 3, 48, 48\)"):
             model(batch(1, size=48))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nan_input_gives_nan_not_an_error_and_inputs_of_any_layout_work(name):
+    model = eval_model(name)
+    x = batch(2)
+    with torch.no_grad():
+        reference = model(x)
+        for strided in (x.contiguous(memory_format=torch.channels_last), x.transpose(2, 3).contiguous().mT):
+            torch.testing.assert_close(model(strided), reference, atol=1e-4, rtol=1e-4)
+        poisoned = x.clone()
+        poisoned[0] = float("nan")
+        out = model(poisoned)
+    assert out[0].isnan().all()
+    torch.testing.assert_close(out[1], reference[1])  # nothing mixes samples in eval mode
 
 
 def compile_check(name: str) -> None:

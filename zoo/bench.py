@@ -33,42 +33,77 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def interleaved_medians(candidates: dict[str, Callable[[], object]], device: torch.device | None = None, *,
+                        warmup: int = 1, repeats: int = 5) -> dict[str, float]:
+    """Median wall seconds per call of each candidate after ``warmup`` untimed calls. Repeat r runs every
+    candidate once before repeat r + 1, so drift in the machine's speed hits all candidates alike."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    device = device or torch.device("cpu")
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def median_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int = 1,
                    repeats: int = 5) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed ones."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_medians({"fn": fn}, device, warmup=warmup, repeats=repeats)["fn"]
 
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-@torch.no_grad()
-def measure_inference(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 256, *,
-                      precision: str = "32", warmup: int = 1, repeats: int = 5) -> float:
-    """Forward images/s in eval mode, ``batch`` images of ``input_shape`` (C, H, W), on the model's device."""
+def inference_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 256, *,
+                   precision: str = "32") -> Callable[[], None]:
+    """A closure running one no-grad forward of ``batch`` random images on the model's device."""
     device = _device(model)
-    was_training = model.training
-    model.eval()
     x = torch.randn(batch, *input_shape, device=device)
 
     def step():
-        with _autocast(device, precision):
+        with torch.no_grad(), _autocast(device, precision):
             model(x)
 
+    return step
+
+
+def training_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 128, *,
+                  num_classes: int = 10, precision: str = "32") -> Callable[[], None]:
+    """A closure running one training step (forward, cross-entropy, backward, AdamW step) of ``model`` itself
+    on ``batch`` random images; pass a copy to keep the original weights."""
+    device = _device(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, *input_shape, device=device)
+    y = torch.randint(0, num_classes, (batch,), device=device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(device, precision):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def measure_inference(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 256, *,
+                      precision: str = "32", warmup: int = 1, repeats: int = 5) -> float:
+    """Forward images/s in eval mode, ``batch`` images of ``input_shape`` (C, H, W), on the model's device."""
+    was_training = model.training
+    model.eval()
     try:
-        return batch / median_seconds(step, device, warmup=warmup, repeats=repeats)
+        step = inference_step(model, input_shape, batch, precision=precision)
+        return batch / median_seconds(step, _device(model), warmup=warmup, repeats=repeats)
     finally:
         model.train(was_training)
 
@@ -84,39 +119,42 @@ def measure_training(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: 
                      repeats: int = 5) -> float:
     """Training images/s: forward, cross-entropy, backward and an AdamW step at ``batch``, on a copy of the
     model (same device), so the weights of ``model`` do not change."""
-    device = _device(model)
-    trained = copy.deepcopy(model).train()
-    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-4)
-    x = torch.randn(batch, *input_shape, device=device)
-    y = torch.randint(0, num_classes, (batch,), device=device)
+    step = training_step(copy.deepcopy(model).train(), input_shape, batch, num_classes=num_classes,
+                         precision=precision)
+    return batch / median_seconds(step, _device(model), warmup=warmup, repeats=repeats)
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        with _autocast(device, precision):
-            loss = F.cross_entropy(trained(x).float(), y)
-        loss.backward()
-        optimizer.step()
 
-    return batch / median_seconds(step, device, warmup=warmup, repeats=repeats)
+def _proc_status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device) -> int | None:
-    """Peak accelerator memory in bytes allocated while running ``fn()``; None on the CPU (not tracked, and
-    ``fn`` is not run)."""
-    if device.type != "cuda":
+    """Peak memory in bytes that running ``fn()`` adds: on CUDA the allocator's peak; on a Linux CPU the
+    growth of the peak resident set (reset through /proc/self/clear_refs first); None where neither exists
+    (``fn`` is then not run). CPU figures include allocator slack (glibc keeps freed blocks)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (the peak RSS) to the current RSS
+        base = _proc_status_kb("VmRSS:")
+    except OSError:
         return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
     fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device)
+    return 1024 * (_proc_status_kb("VmHWM:") - base)
 
 
 def benchmark_model(model: nn.Module, input_shape: Shape = (3, 32, 32), *, num_classes: int = 10,
                     precision: str = "32", infer_batch: int = 256, train_batch: int = 128,
                     repeats: int | None = None) -> dict:
     """All of the above for one model on its current device: {"device", "precision", "inference_images_per_s",
-    "training_images_per_s", "latency_ms", "peak_memory_bytes" (training step; None on CPU), "repeats"}.
+    "training_images_per_s", "latency_ms", "peak_memory_bytes" (one training step), "repeats"}.
     ``repeats`` defaults to 3 on the CPU (about a minute for a small ViT) and 10 on an accelerator."""
     device = _device(model)
     repeats = repeats or (3 if device.type == "cpu" else 10)

@@ -13,10 +13,8 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,22 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import MultiHeadAttention
+from .bench import inference_step, interleaved_medians, training_step
 from .models import create_model, model_info
-
-
-def interleaved_medians(candidates: dict[str, Callable[[], object]], warmup: int = 1,
-                        repeats: int = 5) -> dict[str, float]:
-    """Median seconds per call of each candidate; repeat r runs every candidate once before repeat r + 1."""
-    for fn in candidates.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _fwd_bwd(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
@@ -95,40 +79,18 @@ def _timm_vit_like(model) -> nn.Module:
                              num_heads=model.blocks[0].attn.num_heads, num_classes=10)
 
 
-def _train_step(model: nn.Module, batch: int, img_size: int) -> Callable[[], None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = torch.randn(batch, 3, img_size, img_size), torch.randint(0, 10, (batch,))
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    return step
-
-
-def _infer_step(model: nn.Module, batch: int, img_size: int) -> Callable[[], None]:
-    x = torch.randn(batch, 3, img_size, img_size)
-
-    def step():
-        with torch.inference_mode():
-            model(x)
-
-    return step
-
-
 def bench_models(name: str = "vit_tiny", train_batch: int = 128, infer_batch: int = 256,
                  repeats: int = 3) -> dict:
     """Training and inference images/s of a zoo ViT vs timm's VisionTransformer of the same configuration."""
     zoo_model = create_model(name)
     timm_model = _timm_vit_like(zoo_model)
-    size = zoo_model.img_size
+    shape = (3, *zoo_model.img_size)
     zoo_model.train(), timm_model.train()
-    train = interleaved_medians({"zoo": _train_step(zoo_model, train_batch, size),
-                                 "timm": _train_step(timm_model, train_batch, size)}, repeats=repeats)
+    train = interleaved_medians({"zoo": training_step(zoo_model, shape, train_batch),
+                                 "timm": training_step(timm_model, shape, train_batch)}, repeats=repeats)
     zoo_model.eval(), timm_model.eval()
-    infer = interleaved_medians({"zoo": _infer_step(zoo_model, infer_batch, size),
-                                 "timm": _infer_step(timm_model, infer_batch, size)}, repeats=repeats)
+    infer = interleaved_medians({"zoo": inference_step(zoo_model, shape, infer_batch),
+                                 "timm": inference_step(timm_model, shape, infer_batch)}, repeats=repeats)
     out = {"model": name, "train_batch": train_batch, "infer_batch": infer_batch,
            "threads": torch.get_num_threads()}
     for k in ("zoo", "timm"):
@@ -141,26 +103,23 @@ def bench_models(name: str = "vit_tiny", train_batch: int = 128, infer_batch: in
 
 _MEMORY_SCRIPT = """
 import sys, torch, zoo
-def status(key):  # kB, from /proc/self/status
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
+from zoo.bench import peak_memory
 backend, n, backward = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 attn = zoo.MultiHeadAttention(192, 3, backend=backend)
-attn(torch.randn(1, 8, 192)).sum().backward()  # load kernels before the baseline
+attn(torch.randn(1, 8, 192)).sum().backward()  # load kernels before measuring
 x = torch.randn(1, n, 192, requires_grad=backward)
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
-base = status("VmRSS:")
-with torch.set_grad_enabled(backward):
-    out = attn(x)
-    if backward:
-        out.sum().backward()
-print((status("VmHWM:") - base) / 1024)
+def call():
+    with torch.set_grad_enabled(backward):
+        out = attn(x)
+        if backward:
+            out.sum().backward()
+print(peak_memory(call, torch.device("cpu")) / 2**20)
 """
 
 
 def attention_peak_memory_mb(backend: str, n: int, backward: bool) -> float:
-    """Peak resident-memory growth (MiB) of one attention call (B=1, 3 heads, head_dim 64) in a fresh
-    subprocess (Linux): the peak RSS is reset through /proc/self/clear_refs once inputs exist and kernels are
-    loaded, and the call's peak (VmHWM) minus the RSS at that point is reported. glibc's mmap threshold is
+    """Peak resident-memory growth (MiB, zoo.bench.peak_memory) of one attention call (B=1, 3 heads,
+    head_dim 64) in a fresh subprocess once inputs exist and kernels are loaded. glibc's mmap threshold is
     pinned: its default grows with freed blocks, and the heap then keeps freed chunks, inflating the peak."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, backend, str(n), str(int(backward))],
@@ -193,10 +152,10 @@ def bench_pipeline(data_dir: str | None, batch: int = 128, batches: int = 50) ->
     """The input pipeline alone: batch from the in-memory uint8 cache + augment + normalise, images/s."""
     from .data import ImageDataModule, measure_throughput
 
-    dm = ImageDataModule(data_dir, batch_size=batch, max_train_images=10000, max_test_images=500)
+    dm = ImageDataModule(data_dir, batch_size=batch)
     dm.prepare_data()
     dm.setup("fit")
-    return {"batch": batch, "img_s": measure_throughput(dm, batches=batches)}
+    return {"batch": batch, "img_s": measure_throughput(dm, num_batches=batches)}
 
 
 def bench_claims(repeats: int = 5, memory: list[dict] | None = None) -> list[dict]:
@@ -234,13 +193,10 @@ def bench_claims(repeats: int = 5, memory: list[dict] | None = None) -> list[dic
 def cpu_bf16_fact(name: str = "vit_tiny", batch: int = 8) -> dict:
     """Record, at a tiny batch, how much slower bf16 autocast inference is than fp32 on this CPU."""
     model = create_model(name).eval()
-    x = torch.randn(batch, 3, model.img_size, model.img_size)
-
-    def bf16():
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-            model(x)
-
-    med = interleaved_medians({"fp32": _infer_step(model, batch, model.img_size), "bf16": bf16}, repeats=3)
+    shape = (3, *model.img_size)
+    steps = {"fp32": inference_step(model, shape, batch),
+             "bf16": inference_step(model, shape, batch, precision="bf16-mixed")}
+    med = interleaved_medians(steps, repeats=3)
     return {"model": name, "batch": batch, "fp32_ms": 1e3 * med["fp32"], "bf16_ms": 1e3 * med["bf16"],
             "bf16_slowdown": med["bf16"] / med["fp32"]}
 

@@ -32,7 +32,6 @@ import math
 import os
 import pickle
 import stat
-import tempfile
 import time
 import warnings
 import zlib
@@ -46,6 +45,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
+
+from .atomic import atomic_write
 
 __all__ = [
     "DEFAULT_AUGMENT", "DataError", "ImageDataModule", "measure_throughput", "random_crop", "random_hflip",
@@ -234,18 +235,8 @@ def _writable(folder: Path) -> bool:
 
 
 def _save_atomic(obj: dict, path: Path) -> None:
-    """torch.save into a temporary file beside ``path``, fsync, os.replace: never a half-written cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """torch.save through zoo.atomic.atomic_write: never a half-written cache."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def random_crop(images: torch.Tensor, padding: int, offsets: torch.Tensor | None = None) -> torch.Tensor:

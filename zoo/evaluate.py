@@ -21,13 +21,7 @@ from . import viz
 from .bench import benchmark_model, measure_inference
 from .data import ImageDataModule
 from .explain import deletion_test, explain
-from .runs import load_run
-
-
-def _write_json(path: Path, data: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return path
+from .runs import load_run, write_json
 
 
 def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int = 256,
@@ -130,7 +124,7 @@ def run_deletion(model: nn.Module, dm: ImageDataModule, num_images: int, out: Pa
     """Deletion test on the first ``num_images`` test images; writes deletion.json and deletion.png."""
     images = dm.normalize(dm.test_dataset.images[:num_images])
     result = deletion_test(model, images, dm.test_dataset.labels[:num_images])
-    _write_json(out / "deletion.json", result)
+    write_json(out / "deletion.json", result)
     viz.save(viz.deletion_figure(result, title=title), out / "deletion.png")
     return result
 
@@ -149,7 +143,7 @@ def evaluate_run(checkpoint: str | Path, out: str | Path, *, data_dir: str | Non
     dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=max_test_images)
     metrics, matrix = evaluate(model, dm)
     metrics = {"model": name, "checkpoint": meta["ckpt_path"], **metrics}
-    _write_json(out / "metrics.json", metrics)
+    write_json(out / "metrics.json", metrics)
     viz.save(viz.confusion_matrix_figure(matrix, dm.class_names, title=f"{name}: test confusion matrix "
                                          f"(top-1 {metrics['test_top1']:.3f})"), out / "confusion_matrix.png")
     report = {"metrics": metrics, "deletion": None, "benchmark": None}
@@ -160,7 +154,7 @@ def evaluate_run(checkpoint: str | Path, out: str | Path, *, data_dir: str | Non
     if benchmark:
         shape = tuple(dm.test_dataset.images.shape[1:])
         report["benchmark"] = benchmark_model(model, shape, num_classes=dm.num_classes, precision=precision)
-        _write_json(out / "benchmark.json", {"model": name, **report["benchmark"]})
+        write_json(out / "benchmark.json", {"model": name, **report["benchmark"]})
     return report
 
 

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import secrets
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,26 +20,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch import nn
 
+from .atomic import atomic_write
+
 RUN_DIR_ENV = "ZOO_RUN_DIR"  # the run directory rank 0 chose, inherited by the processes DDP launches
-
-
-def atomic_write(path: str | Path, write) -> None:
-    """Call ``write(file)`` on a temp file beside ``path``, fsync it, then ``os.replace`` it onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_json(path: str | Path, data: dict) -> None:

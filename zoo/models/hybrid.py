@@ -20,6 +20,7 @@ from torch import nn
 
 from ..attention import MultiHeadAttention
 from ..cbam import CBAM
+from .inputs import check_images
 from .registry import register_model
 from .vit import Block, LayerNormEps6
 
@@ -97,11 +98,7 @@ class HybridNet(nn.Module):
 
     def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, *img_size) -> feature grid (B, embed_dim, gh, gw)."""
-        expected = (self.in_chans, *self.img_size)
-        if not isinstance(x, torch.Tensor) or x.dim() != 4 or tuple(x.shape[1:]) != expected:
-            given = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"expected images of shape (B, C, H, W) = (B, {', '.join(map(str, expected))}), "
-                             f"got {given}")
+        check_images(x, self.in_chans, self.img_size)
         return self.stem(x)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

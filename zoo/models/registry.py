@@ -8,6 +8,7 @@ import difflib
 from collections.abc import Callable
 
 import torch
+from timm.layers import to_2tuple
 from timm.models import register_model as timm_register_model
 from torch import nn
 
@@ -80,9 +81,7 @@ def model_info(model: nn.Module, input_size: tuple[int, int, int] | None = None)
     from ..attention import MultiHeadAttention
 
     if input_size is None:
-        size = getattr(model, "img_size", 32)
-        size = size if isinstance(size, int) else size[0]
-        input_size = (getattr(model, "in_chans", 3), size, size)
+        input_size = (getattr(model, "in_chans", 3), *to_2tuple(getattr(model, "img_size", 32)))
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     attn = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]

@@ -16,6 +16,7 @@ from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
 from ..cbam import add_cbam
+from .inputs import check_images
 from .registry import register_model
 
 __all__ = ["CifarResNet", "resnet18", "resnet18_cbam"]
@@ -38,9 +39,7 @@ class CifarResNet(ResNet):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, H / 8, W / 8)."""
-        if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected images (B, in_chans={self.in_chans}, H, W), got {tuple(x.shape)} "
-                             f"({x.shape[1] if x.dim() > 1 else 'no'} channels)")
+        check_images(x, self.in_chans)
         return super().forward_features(x)
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..attention import MultiHeadAttention
 from ..posembed import sincos_pos_embed_2d
+from .inputs import check_images
 from .registry import register_model
 
 LayerNormEps6 = partial(nn.LayerNorm, eps=1e-6)  # timm's ViT norm
@@ -52,11 +53,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        expected = (self.in_chans, *self.img_size)
-        if not isinstance(x, torch.Tensor) or x.dim() != 4 or tuple(x.shape[1:]) != expected:
-            given = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"expected images of shape (B, C, H, W) = (B, {', '.join(map(str, expected))}), "
-                             f"got {given}")
+        check_images(x, self.in_chans, self.img_size)
         return rearrange(self.proj(x), "b c gh gw -> b (gh gw) c")
 
 

@@ -1,0 +1,30 @@
+"""Crash-safe file writes: the new content goes to a temporary file beside the target, is fsynced, and is
+renamed over the target (``os.replace`` is atomic on POSIX), so a process killed mid-write leaves the old
+file intact. Used for checkpoints, summary files and the data cache."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """Call ``write(file)`` on a temp file beside ``path``, fsync it, then ``os.replace`` it onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
