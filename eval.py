@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deletion-images", type=int, default=256, help="test images for the deletion test")
     p.add_argument("--benchmark", action="store_true", help="inference / training images/s, latency, memory")
     p.add_argument("--precision", default="32", help="benchmark precision: 32, bf16-mixed, 16-mixed")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cpu; --bench-suite: cuda when available)")
     args = p.parse_args(argv)
     for name in ("max_test_images", "num_images", "deletion_images", "batch_size"):
         value = getattr(args, name)
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         if args.bench_suite:
             from zoo.bench_suite import run_suite
 
-            run_suite(args.out, data_dir=args.data_dir)
+            run_suite(args.out, data_dir=args.data_dir, device=args.device)
             print(open(f"{args.out}/bench.md").read())
             return 0
         if args.compare:
