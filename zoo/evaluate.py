@@ -87,14 +87,21 @@ def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]
     return metrics, matrix
 
 
+def spread_test_images(dm: ImageDataModule, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` uint8 test images and labels evenly spaced through the test set, which is stored sorted by
+    class, so a few images cover every class instead of the first one."""
+    n = len(dm.test_dataset.labels)
+    index = torch.linspace(0, n - 1, min(count, n)).round().long()
+    return dm.test_dataset.images[index], dm.test_dataset.labels[index]
+
+
 def explain_images(model: nn.Module, dm: ImageDataModule, num_images: int, out: Path) -> list[Path]:
-    """For the first ``num_images`` test images: the attention maps of every layer over the final token set
-    (maps_<i>.npy, (L, H, N, N), as the rollout uses them) and
-    their PNG grid, CBAM gates (cbam_<i>_stage<k>.npy), and one figure per image (image | rollout overlay |
-    CBAM stage maps) titled with the true and predicted class. Returns the files written."""
+    """For ``num_images`` test images spread over the classes: the attention maps of every layer over the
+    final token set (maps_<i>.npy, (L, H, N, N), as the rollout uses them) and their PNG grid, CBAM gates
+    (cbam_<i>_stage<k>.npy), and one figure per image (image | rollout overlay | CBAM stage maps) titled with
+    the true and predicted class. Returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
-    images = dm.test_dataset.images[:num_images]
-    labels = dm.test_dataset.labels[:num_images]
+    images, labels = spread_test_images(dm, num_images)
     device = next(model.parameters()).device
     normalised = dm.normalize(images.to(device))
     found = explain(model, normalised)
@@ -121,9 +128,10 @@ def explain_images(model: nn.Module, dm: ImageDataModule, num_images: int, out: 
 
 
 def run_deletion(model: nn.Module, dm: ImageDataModule, num_images: int, out: Path, *, title: str) -> dict:
-    """Deletion test on the first ``num_images`` test images; writes deletion.json and deletion.png."""
-    images = dm.normalize(dm.test_dataset.images[:num_images])
-    result = deletion_test(model, images, dm.test_dataset.labels[:num_images])
+    """Deletion test on ``num_images`` test images spread over the classes; writes deletion.json and
+    deletion.png."""
+    images, labels = spread_test_images(dm, num_images)
+    result = deletion_test(model, dm.normalize(images), labels)
     write_json(out / "deletion.json", result)
     viz.save(viz.deletion_figure(result, title=title), out / "deletion.png")
     return result
@@ -182,8 +190,8 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
         bench = _read_json(run_dir / "benchmark.json") or {}
         deletion = _read_json(run_dir / "deletion.json")
         if deletion is None:
-            images = dm.normalize(dm.test_dataset.images[:deletion_images])
-            deletion = deletion_test(model, images, dm.test_dataset.labels[:deletion_images])
+            images, labels = spread_test_images(dm, deletion_images)
+            deletion = deletion_test(model, dm.normalize(images), labels)
         shape = tuple(dm.test_dataset.images.shape[1:])
         inference = bench.get("inference_images_per_s") or measure_inference(model, shape, 256, repeats=3)
         top1 = summary.get("test_top1", metrics.get("test_top1"))
@@ -199,7 +207,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
             "deletion_auc_random": deletion["auc"]["random"],
         })
         if grid is None:
-            grid = (dm.test_dataset.images[:grid_images], dm.test_dataset.labels[:grid_images], dm)
+            grid = (*spread_test_images(dm, grid_images), dm)
         heatmaps[label] = explain(model, grid[2].normalize(grid[0])).heatmap
     _write_table(rows, out)
     viz.save(viz.accuracy_throughput_figure([r["model"] for r in rows], [r["test_top1"] for r in rows],

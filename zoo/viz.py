@@ -196,7 +196,8 @@ def rollout_grid_figure(images: torch.Tensor, heatmaps: Mapping[str, torch.Tenso
                 overlay(ax, images[col], maps[col])
                 any_map = True
             if col == 0:
-                ax.set_ylabel(name if maps is not None else f"{name}\n(no map)", fontsize=9)
+                label = name.replace(" (", "\n(")  # "model (run-id)" on two lines
+                ax.set_ylabel(label if maps is not None else f"{label}\n(no map)", fontsize=8)
     axes[0, 0].set_ylabel("image", fontsize=9)
     if any_map:
         heatmap_colorbar(fig, axes)
