@@ -12,8 +12,8 @@ from zoo.bench_suite import run_suite
 def test_quick_suite_writes_every_section_and_memory_claims_hold(cifar_dir, tmp_path):
     results = run_suite(tmp_path, data_dir=str(cifar_dir), quick=True, device="cpu")
     saved = json.loads((tmp_path / "bench.json").read_text())
-    sections = {"machine", "attention_op", "models", "training_speed", "memory", "mfu", "pipeline", "precision",
-                "claims"}
+    sections = {"machine", "attention_op", "models", "training_speed", "memory", "mfu", "pipeline",
+                "precision", "claims"}
     assert set(saved) == sections and set(results) == sections
     markdown = (tmp_path / "bench.md").read_text()
     assert all(f"## {name}" in markdown for name in sections)

@@ -147,3 +147,24 @@ def test_load_run_rejects_missing_truncated_and_foreign_files(tmp_path):
         with pytest.raises(ValueError, match=message) as err:
             zoo.load_run(path)
         assert "\n" not in str(err.value)
+
+
+def test_init_from_a_timm_vit_state_dict_at_another_img_size(tmp_path):
+    """--init-from: a timm ViT trained at 64 px starts a 32 px zoo ViT; every weight is copied and the
+    position embedding is resampled exactly as timm resamples it for its own models."""
+    import timm
+    from timm.layers import resample_abs_pos_embed
+
+    from zoo.runs import load_pretrained
+
+    source = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, patch_size=4, depth=2,
+                               num_classes=10)
+    torch.save(source.state_dict(), tmp_path / "timm_vit.pth")
+    model = zoo.create_model("vit_tiny", depth=2)
+    loaded = load_pretrained(model, tmp_path / "timm_vit.pth")
+    assert set(loaded) == set(source.state_dict())
+    expected_pos = resample_abs_pos_embed(source.pos_embed.detach(), [8, 8], [16, 16], num_prefix_tokens=1)
+    torch.testing.assert_close(model.pos_embed.detach(), expected_pos)
+    torch.testing.assert_close(model.blocks[1].attn.qkv.weight, source.blocks[1].attn.qkv.weight)
+    with pytest.raises(ValueError, match="no weight matches"):
+        load_pretrained(zoo.create_model("resnet18"), tmp_path / "timm_vit.pth")

@@ -166,3 +166,21 @@ def compile_check(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_torch_compile(name):
     compile_check(name)
+
+
+@pytest.mark.parametrize("family", ["hybrid", "resnet_cbam"])
+def test_torch_compile_one_small_model_per_conv_family(family):
+    """Default-suite compile check for the conv families (the ViT family's is in test_vit.py): small
+    members, so inductor compiles in seconds; every registered model compiles behind the slow marker."""
+    from timm.models.resnet import BasicBlock
+
+    from zoo.models.resnet import CifarResNet
+
+    if family == "hybrid":
+        model = zoo.create_model("hybrid_tiny", stem_chs=(8, 16), embed_dim=32, depth=1, num_heads=2)
+    else:
+        model = zoo.add_cbam(CifarResNet(BasicBlock, [1, 1, 1, 1], num_classes=10))
+    model.eval()
+    x = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model)(x), model(x), atol=1e-4, rtol=1e-4)

@@ -114,3 +114,14 @@ def test_user_errors_from_the_shell(case, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_compile_flag_trains(slice_args, tmp_path, capsys):
+    """--compile wraps the model in torch.compile (inductor takes ~30 s to compile on this CPU: slow)."""
+    args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--compile", "--out", str(tmp_path),
+            *slice_args]
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err[-2000:]
+    summary = json.loads((REPO / out.strip().splitlines()[-1] / "summary.json").read_text())
+    assert summary["global_step"] == 2

@@ -208,24 +208,16 @@ def load_run(path: str | Path) -> tuple[nn.Module, dict]:
 
 def load_pretrained(model: nn.Module, path: str | Path) -> list[str]:
     """Copy into ``model`` every weight of a zoo checkpoint or a timm ViT state_dict file whose name and
-    shape match; ``pos_embed`` is resampled to the model's grid first (timm's resample_abs_pos_embed).
-    Returns the names loaded; none matching -> ValueError."""
-    from timm.layers import resample_abs_pos_embed
-
+    shape match; a learned ``pos_embed`` of another grid is kept too, since the zoo ViT's load_state_dict
+    resamples it (timm's resample_abs_pos_embed). Returns the names loaded; none matching -> ValueError."""
     ckpt = _load_checkpoint(path)
     if "state_dict" in ckpt and "hyper_parameters" in ckpt:
         source = _model_state(ckpt)
     else:
         source = ckpt.get("state_dict", ckpt.get("model", ckpt))
     target = model.state_dict()
-    old, new = source.get("pos_embed"), target.get("pos_embed")
-    if old is not None and new is not None and old.shape != new.shape:
-        prefix = getattr(model, "num_prefix_tokens", 1)
-        grid = int((target["pos_embed"].shape[1] - prefix) ** 0.5)
-        source = dict(source, pos_embed=resample_abs_pos_embed(source["pos_embed"], [grid, grid],
-                                                               num_prefix_tokens=prefix))
-    loaded = {k: v for k, v in source.items()
-              if isinstance(v, torch.Tensor) and k in target and v.shape == target[k].shape}
+    loaded = {k: v for k, v in source.items() if isinstance(v, torch.Tensor) and k in target
+              and (v.shape == target[k].shape or k == "pos_embed")}
     if not loaded:
         raise ValueError(f"--init-from {path}: no weight matches the model by name and shape")
     model.load_state_dict(loaded, strict=False)
