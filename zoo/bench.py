@@ -21,7 +21,8 @@ Shape = tuple[int, int, int]  # (C, H, W) of one image
 PRECISIONS = {"32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def _autocast(device: torch.device, precision: str):
+def autocast_for(device: torch.device, precision: str):
+    """The autocast context for a Lightning precision string ("32": none) on ``device``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     dtype = PRECISIONS[precision]
@@ -71,7 +72,7 @@ def inference_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: in
     x = torch.randn(batch, *input_shape, device=device)
 
     def step():
-        with torch.no_grad(), _autocast(device, precision):
+        with torch.no_grad(), autocast_for(device, precision):
             model(x)
 
     return step
@@ -88,7 +89,7 @@ def training_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with _autocast(device, precision):
+        with autocast_for(device, precision):
             loss = F.cross_entropy(model(x).float(), y)
         loss.backward()
         optimizer.step()

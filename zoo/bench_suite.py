@@ -25,7 +25,7 @@ from timm.layers import to_2tuple
 from torch import nn
 
 from .attention import MultiHeadAttention
-from .bench import inference_step, interleaved_medians, peak_memory, training_step
+from .bench import PRECISIONS, autocast_for, inference_step, interleaved_medians, peak_memory, training_step
 from .masks import sliding_window_mask
 from .models import create_model, list_models, model_info
 
@@ -34,17 +34,12 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _autocast(device: torch.device, precision: str):
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
 def _fwd_bwd(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, precision: str,
              **kwargs) -> Callable[[], None]:
     grad = torch.ones_like(x)  # every candidate maps (B, N, dim) -> (B, N, dim)
 
     def step():
-        with _autocast(x.device, precision):
+        with autocast_for(x.device, precision):
             out = module(x, **kwargs)
         out.backward(grad.to(out.dtype))
 
@@ -179,7 +174,7 @@ def gemm_peak_flops(size: int = 2048, repeats: int = 5, device=None, dtype=torch
 def bench_mfu(name: str, train_img_s: float, device=None, precision: str = "32") -> dict:
     """Model FLOP utilisation: training FLOPs/s (3x forward FLOPs per image, attention included) over the
     GEMM peak measured here in the same dtype (fp32, or bf16 for bf16-mixed)."""
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, torch.float32)
+    dtype = PRECISIONS[precision] or torch.float32
     fwd = model_info(create_model(name))["flops"]
     peak = gemm_peak_flops(device=device, dtype=dtype)
     achieved = 3 * fwd * train_img_s
