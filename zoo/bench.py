@@ -29,7 +29,8 @@ def autocast_for(device: torch.device, precision: str):
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so wall-clock timings are honest."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -44,13 +45,13 @@ def interleaved_medians(candidates: dict[str, Callable[[], object]], device: tor
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
-    _sync(device)
+    synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
             start = time.perf_counter()
             fn()
-            _sync(device)
+            synchronize(device)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 

@@ -47,6 +47,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from .atomic import atomic_write
+from .bench import synchronize
 
 __all__ = [
     "DEFAULT_AUGMENT", "DataError", "ImageDataModule", "measure_throughput", "random_crop", "random_hflip",
@@ -579,11 +580,6 @@ def _make_mix(config: dict, num_classes: int):
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_throughput(dm: ImageDataModule, num_batches: int = 50, *, train: bool = True,
                        device: str | torch.device | None = None, warmup: int = 3) -> float:
     """Images/s of the input pipeline alone: load a batch, move it to ``device``, augment (``train``) or only
@@ -598,10 +594,10 @@ def measure_throughput(dm: ImageDataModule, num_batches: int = 50, *, train: boo
         if step % per_epoch == 0:
             batches = iter(loader)
         if step == warmup:
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
         images, labels = (t.to(device, non_blocking=True) for t in next(batches))
         out, _ = dm.augment(images, labels) if train else (dm.normalize(images), labels)
         images_seen += len(out) if step >= warmup else 0
-    _synchronize(device)
+    synchronize(device)
     return images_seen / max(time.perf_counter() - start, math.ulp(1.0))

@@ -18,6 +18,7 @@ from timm.optim import param_groups_weight_decay
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from .bench import synchronize
 from .models import create_model, model_info
 
 STAGES = ("train", "val", "test")
@@ -175,10 +176,10 @@ class TimeBudget(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         done = trainer.global_step - self._start_step
         if done == self.skip_steps:
-            _sync(pl_module)
+            synchronize(pl_module.device)
             self._skip_t = time.perf_counter()
         elif done == self.skip_steps + self.measure_steps and self.step_time is None:
-            _sync(pl_module)
+            synchronize(pl_module.device)
             self.step_time = (time.perf_counter() - self._skip_t) / self.measure_steps
             self._refit(trainer, pl_module)
         if self.total_steps is not None and trainer.global_step >= self.total_steps:
@@ -211,11 +212,6 @@ def _num_batches(counts) -> float:
     return float(sum(c for c in counts if math.isfinite(c)))
 
 
-def _sync(module: pl.LightningModule) -> None:
-    if module.device.type == "cuda":
-        torch.cuda.synchronize(module.device)
-
-
 class Throughput(pl.Callback):
     """Training images per second over the whole fit, validation time excluded."""
 
@@ -231,28 +227,23 @@ class Throughput(pl.Callback):
         self.images += batch[0].shape[0] * trainer.world_size
 
     def on_validation_start(self, trainer, pl_module):
-        self._pause()
+        self._pause(pl_module.device)
 
     def on_validation_end(self, trainer, pl_module):
         self._t = time.perf_counter()
 
     def on_train_epoch_end(self, trainer, pl_module):
-        self._pause()
+        self._pause(pl_module.device)
 
-    def _pause(self):
+    def _pause(self, device: torch.device):
         if self._t is not None:
-            _sync_all()
+            synchronize(device)
             self.train_s += time.perf_counter() - self._t
             self._t = None
 
     @property
     def images_per_s(self) -> float:
         return self.images / self.train_s if self.train_s > 0 else 0.0
-
-
-def _sync_all() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def resolve_precision(precision: str, accelerator: str) -> str:
