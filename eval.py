@@ -1,84 +1,9 @@
-"""Evaluate, explain, benchmark and compare trained runs (argument parsing only; the work is in zoo.evaluate).
+"""Evaluate, explain, benchmark and compare trained runs; the same program is installed as ``zoo-eval``.
+See ``python eval.py --help`` and ``zoo.explain.cli``."""
 
-    python eval.py --checkpoint runs/vit_tiny/<run-id> --out eval/vit_tiny [--attention --num-images 8]
-                   [--deletion] [--benchmark] [--data-dir DIR] [--max-test-images N] [--batch-size B]
-    python eval.py --compare runs/vit_tiny/<id> runs/resnet18_cbam/<id> --out eval/compare
-    python eval.py --bench-suite --out bench [--data-dir DIR]
-
-User errors (missing / truncated / foreign checkpoint, missing data) print one line and exit with code 2.
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
 import sys
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--checkpoint", metavar="CKPT_OR_RUN_DIR", help="a run directory or a .ckpt file")
-    what.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="run directories to compare")
-    what.add_argument("--bench-suite", action="store_true",
-                      help="the benchmark suite: attention op and vit_tiny vs timm, memory per backend, MFU, "
-                      "input pipeline, optimisation claims (bench.json + bench.md; ~5 min on 2 CPU cores)")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--data-dir", help="data folder (default: the one the run was trained on)")
-    p.add_argument("--max-test-images", type=int, help="evaluate on a seeded subset of this many test images")
-    p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
-    p.add_argument("--attention", action="store_true",
-                   help="attention maps, rollouts and CBAM maps as figures")
-    p.add_argument("--num-images", type=int, default=8, help="test images to explain with --attention")
-    p.add_argument("--deletion", action="store_true", help="run the deletion (faithfulness) test")
-    p.add_argument("--deletion-images", type=int, default=256, help="test images for the deletion test")
-    p.add_argument("--benchmark", action="store_true", help="inference / training images/s, latency, memory")
-    p.add_argument("--precision", default="32", help="benchmark precision: 32, bf16-mixed, 16-mixed")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cpu; --bench-suite: cuda when available)")
-    args = p.parse_args(argv)
-    for name in ("max_test_images", "num_images", "deletion_images", "batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    return args
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from zoo.evaluate import compare_runs, evaluate_run
-
-    try:
-        if args.bench_suite:
-            from zoo.bench_suite import run_suite
-
-            run_suite(args.out, data_dir=args.data_dir, device=args.device)
-            print(open(f"{args.out}/bench.md").read())
-            return 0
-        if args.compare:
-            compare_runs(args.compare, args.out, data_dir=args.data_dir, batch_size=args.batch_size,
-                                deletion_images=min(args.deletion_images, 64))
-            print(open(f"{args.out}/compare.md").read())
-            return 0
-        report = evaluate_run(args.checkpoint, args.out, data_dir=args.data_dir, batch_size=args.batch_size,
-                              max_test_images=args.max_test_images,
-                              attention_images=args.num_images if args.attention else 0,
-                              deletion_images=args.deletion_images if args.deletion else 0,
-                              benchmark=args.benchmark, precision=args.precision, device=args.device)
-    except (ValueError, OSError) as err:  # zoo.data.DataError is a ValueError
-        print(f"eval.py: error: {err}".splitlines()[0], file=sys.stderr)
-        return 2
-    m = report["metrics"]
-    print(f"{m['model']}: test top-1 {m['test_top1']:.4f}, top-5 {m['test_top5']:.4f}, "
-          f"loss {m['test_loss']:.4f} on {m['num_images']} images")
-    print("most confused (true -> predicted): " + ", ".join(
-        f"{p['true']} -> {p['predicted']} ({p['count']})" for p in m["most_confused"]))
-    if report["deletion"]:
-        print("deletion AUC (lower = more faithful): " + json.dumps(report["deletion"]["auc"]))
-    if report["benchmark"]:
-        print("benchmark: " + json.dumps(report["benchmark"]))
-    print(f"wrote {args.out}")
-    return 0
-
+from zoo.explain.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,16 +1,51 @@
-"""zoo: attention building blocks for vision, the models made of them, and tools that explain them.
-Importing zoo registers every model in timm's registry as ``zoo_<name>``."""
+"""zoo: attention building blocks for vision, the models made of them, and tools that train and explain them.
+
+The package is layered; arrows run downward only::
+
+    train.py / eval.py (front ends)
+      -> zoo.explain, zoo.bench      explaining trained models; timing and memory
+      -> zoo.train                   Lightning training: recipes, data, runs
+      -> zoo.models                  model families, registry (also timm's), checkpoints, interop
+      -> zoo.layers                  attention, masks, position, CBAM: blocks for any model
+
+``import zoo`` loads torch, einops and timm only, and registers every model in timm's registry as
+``zoo_<name>``; the explaining names below (``record_attention``, ``attention_rollout``) are loaded on first
+use, and training (Lightning, torchmetrics) and figures (matplotlib) only when asked for."""
+
+from importlib import import_module
 
 from . import interop, masks
-from .attention import BACKENDS, KVCache, MultiHeadAttention, get_backend, set_backend
-from .cbam import CBAM, ChannelAttention, SpatialAttention, add_cbam
-from .explain import attention_rollout, record_attention
-from .models import create_model, list_models, model_info, register_model
-from .runs import load_run
+from .layers import (
+    BACKENDS,
+    CBAM,
+    ChannelAttention,
+    KVCache,
+    MultiHeadAttention,
+    SpatialAttention,
+    add_cbam,
+    attention_backend,
+    get_backend,
+    set_backend,
+)
+from .models import create_model, list_models, load_run, model_info, register_model
+
+_LAZY = {"record_attention": "zoo.explain", "attention_rollout": "zoo.explain"}
 
 __all__ = [
-    "BACKENDS", "KVCache", "MultiHeadAttention", "create_model", "get_backend", "interop", "list_models",
+    "BACKENDS", "CBAM", "ChannelAttention", "KVCache", "MultiHeadAttention", "SpatialAttention", "add_cbam",
+    "attention_backend", "attention_rollout", "create_model", "get_backend", "interop", "list_models",
     "load_run", "masks", "model_info", "record_attention", "register_model", "set_backend",
-    "attention_rollout", "CBAM", "ChannelAttention", "SpatialAttention", "add_cbam",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zoo' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,6 +1,10 @@
-"""Model families; importing this package registers every entry point (zoo's registry and timm's)."""
+"""Model families built from ``zoo.layers`` (``vit``, ``hybrid``, ``resnet``), the registry that names them
+(``registry``: ``create_model``, ``list_models``, ``model_info``, and timm's ``zoo_<name>`` entries), reading
+trained weights back (``checkpoints``) and moving ViT weights to and from timm (``interop``). Imports torch,
+einops, timm and ``zoo.layers`` only; importing it registers every entry point."""
 
 from . import hybrid, resnet, vit  # noqa: F401  (register the hybrid_*, resnet*, vit_* entry points)
+from .checkpoints import load_pretrained, load_run
 from .registry import create_model, list_models, model_info, register_model
 
-__all__ = ["create_model", "list_models", "model_info", "register_model"]
+__all__ = ["create_model", "list_models", "load_pretrained", "load_run", "model_info", "register_model"]

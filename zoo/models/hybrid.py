@@ -18,8 +18,8 @@ from einops import rearrange
 from timm.layers import ConvNormAct, calculate_drop_path_rates, to_2tuple, trunc_normal_
 from torch import nn
 
-from ..attention import MultiHeadAttention
-from ..cbam import CBAM
+from ..layers.attention import MultiHeadAttention
+from ..layers.cbam import CBAM
 from .inputs import check_images
 from .registry import register_model
 from .vit import Block, LayerNormEps6

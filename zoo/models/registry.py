@@ -78,7 +78,7 @@ def model_info(model: nn.Module, input_size: tuple[int, int, int] | None = None)
     math backend so the attention matmuls are included."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..attention import MultiHeadAttention
+    from ..layers.attention import MultiHeadAttention
 
     if input_size is None:
         input_size = (getattr(model, "in_chans", 3), *to_2tuple(getattr(model, "img_size", 32)))

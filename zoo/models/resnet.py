@@ -15,7 +15,7 @@ import torch
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
-from ..cbam import add_cbam
+from ..layers.cbam import add_cbam
 from .inputs import check_images
 from .registry import register_model
 

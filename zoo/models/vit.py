@@ -26,8 +26,8 @@ from timm.layers import (
 )
 from torch import nn
 
-from ..attention import MultiHeadAttention
-from ..posembed import sincos_pos_embed_2d
+from ..layers.attention import MultiHeadAttention
+from ..layers.position import sincos_pos_embed_2d
 from .inputs import check_images
 from .registry import register_model
 

@@ -1,0 +1,134 @@
+"""eval.py and zoo.evaluate on a tiny real run made by train.py on real CIFAR-10 images: the files and their
+shapes, metrics against Lightning's own test loop, a two-run comparison, zoo.bench, and one-line errors."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from zoo import bench
+from zoo.explain.report import most_confused
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("eval_cli", REPO / "eval.py")
+eval_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(eval_cli)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(cifar_dir, tmp_path_factory):
+    """A vit_nano run trained for 2 steps on 128 real images, tested on 32 (Lightning's test loop)."""
+    root = tmp_path_factory.mktemp("runs")
+    cmd = [sys.executable, "train.py", "--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1",
+           "--max-train-images", "128", "--max-test-images", "32", "--limit-train-batches", "2",
+           "--limit-val-batches", "1", "--batch-size", "32", "--set", "val_size=32", "--out", str(root),
+           "--cache-dir", str(root / "cache")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = (root / "vit_nano").iterdir()
+    return run
+
+
+def test_eval_writes_metrics_figures_maps_and_deletion(tiny_run, tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert eval_cli.main(["--checkpoint", str(tiny_run), "--out", str(out), "--max-test-images", "32",
+                          "--batch-size", "16", "--attention", "--num-images", "1", "--deletion",
+                          "--deletion-images", "4"]) == 0
+    printed = capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    # the same checkpoint on the same 32 test images as Lightning's test loop in train.py
+    assert metrics["num_images"] == 32
+    assert metrics["test_top1"] == pytest.approx(summary["test_top1"])
+    assert metrics["test_top5"] == pytest.approx(summary["test_top5"])
+    assert list(metrics["per_class_accuracy"]) == summary["class_names"]
+    assert all(0.0 <= v <= 1.0 for v in metrics["per_class_accuracy"].values())
+    assert "most confused" in printed and f"{metrics['test_top1']:.4f}" in printed
+    for pair in metrics["most_confused"]:
+        assert pair["true"] != pair["predicted"] and pair["count"] >= 1
+    assert (out / "confusion_matrix.png").stat().st_size > 10_000
+    maps = np.load(out / "attention" / "maps_000.npy")
+    assert maps.shape == (6, 4, 65, 65)  # vit_nano: depth 6, 4 heads, 1 + 8x8 tokens
+    np.testing.assert_allclose(maps.sum(-1), 1.0, atol=1e-5)  # softmax rows
+    assert {p.name for p in (out / "attention").glob("*.png")} == {"maps_000.png", "explain_000.png"}
+    deletion = json.loads((out / "deletion.json").read_text())
+    assert deletion["num_images"] == 4 and len(deletion["fractions"]) == 10
+    assert set(deletion["curves"]) == {"rollout", "attention", "random"}
+    assert (out / "deletion.png").is_file()
+
+
+def test_compare_two_runs(tiny_run, tmp_path):
+    first, second = tmp_path / "vit_nano" / "first-run", tmp_path / "vit_nano" / "second-run"
+    shutil.copytree(tiny_run, first)
+    shutil.copytree(tiny_run, second)
+    # what eval already measured into a run dir is reused as is; what is missing is computed
+    (first / "benchmark.json").write_text(json.dumps({"inference_images_per_s": 456.0}))
+    (second / "deletion.json").write_text(json.dumps({
+        "explanation": "rollout", "auc": {"rollout": 0.123, "random": 0.456}}))
+    out = tmp_path / "compare"
+    assert eval_cli.main(["--compare", str(first), str(second), "--out", str(out), "--batch-size", "16",
+                          "--deletion-images", "4"]) == 0
+    with (out / "compare.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    for row in rows:
+        assert int(row["params"]) == summary["params"] and float(row["test_top1"]) == summary["test_top1"]
+    assert float(rows[0]["inference_images_per_s"]) == 456.0 and float(rows[1]["inference_images_per_s"]) > 0
+    assert float(rows[1]["deletion_auc"]) == 0.123 and float(rows[1]["deletion_auc_random"]) == 0.456
+    assert 0.0 <= float(rows[0]["deletion_auc"]) <= 0.9
+    assert "| model |" in (out / "compare.md").read_text()
+    assert (out / "accuracy_vs_throughput.png").is_file() and (out / "rollout_grid.png").is_file()
+
+
+def test_bad_inputs_exit_2_with_one_line(tiny_run, tmp_path, capsys):
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes((tiny_run / "checkpoints" / "best.ckpt").read_bytes()[:1000])
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    empty_run = tmp_path / "empty_run"
+    empty_run.mkdir()
+    cases = [["--checkpoint", str(tmp_path / "missing.ckpt")], ["--checkpoint", str(truncated)],
+             ["--checkpoint", str(foreign)], ["--checkpoint", str(empty_run)],
+             ["--checkpoint", str(tiny_run), "--data-dir", str(tmp_path / "no-data")]]
+    for args in cases:
+        assert eval_cli.main([*args, "--out", str(tmp_path / "out")]) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("eval.py: error: "), err
+    done = subprocess.run([sys.executable, "eval.py", "--checkpoint", str(foreign), "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_most_confused_pairs():
+    matrix = torch.tensor([[5, 3, 0], [1, 7, 0], [0, 4, 2]])
+    assert most_confused(matrix, ["a", "b", "c"], top=5) == [
+        {"true": "c", "predicted": "b", "count": 4, "fraction": 4 / 6},
+        {"true": "a", "predicted": "b", "count": 3, "fraction": 3 / 8},
+        {"true": "b", "predicted": "a", "count": 1, "fraction": 1 / 8},
+    ]
+
+
+def test_bench_measures_without_changing_the_model():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10))
+    before = [p.clone() for p in model.parameters()]
+    train = bench.measure_training(model, (3, 8, 8), 4, repeats=2)
+    infer = bench.measure_inference(model, (3, 8, 8), 4, repeats=2)
+    latency = bench.measure_latency(model, (3, 8, 8), repeats=2)
+    assert train > 0 and infer > 0 and 0 < latency < 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    calls = []
+    seconds = bench.median_seconds(lambda: calls.append(1), torch.device("cpu"), warmup=2, repeats=3)
+    assert len(calls) == 5 and seconds >= 0
+    with pytest.raises(ValueError):
+        bench.measure_inference(model, (3, 8, 8), 4, precision="fp8")

@@ -1,0 +1,127 @@
+"""train.py on a small slice of the real CIFAR-10 JPEGs: a smoke run per registered model, bf16 on CPU,
+seeded reproducibility, and user errors (one stderr line, exit code 2). Most runs call train.main in-process
+(importing Lightning once); the error cases that matter for the shell run as subprocesses."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+import train  # noqa: E402
+
+SUMMARY_KEYS = {"model", "params", "flops", "precision", "accelerator", "devices", "epochs", "global_step",
+                "wall_time_s", "train_images_per_s", "best_val_top1", "test_top1", "test_top5"}
+
+
+@pytest.fixture(scope="module")
+def slice_args(cifar_dir, tmp_path_factory):
+    """Flags for a tiny, fast run on real images; the uint8 cache is decoded once per module."""
+    cache = tmp_path_factory.mktemp("cache")
+    return ["--data-dir", str(cifar_dir), "--cache-dir", str(cache), "--max-train-images", "400",
+            "--max-test-images", "64", "--set", "val_size=64", "--epochs", "1", "--batch-size", "8",
+            "--limit-train-batches", "2", "--limit-val-batches", "1", "--limit-test-batches", "1"]
+
+
+def run_main(args, capsys):
+    code = train.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("name", zoo.list_models())
+def test_smoke_run_per_model(name, slice_args, tmp_path, capsys):
+    code, out, err = run_main(["--model", name, "--out", str(tmp_path), *slice_args], capsys)
+    assert code == 0, err[-2000:]
+    run_dir = tmp_path / name / out.strip().splitlines()[-1].split("/")[-1]
+    assert out.strip().splitlines()[-1] == str(run_dir)
+    files = ("config.yaml", "metrics.csv", "summary.json", "checkpoints/last.ckpt", "checkpoints/best.ckpt")
+    for rel in files:
+        assert (run_dir / rel).is_file(), rel
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["model"] == name and summary["global_step"] == 2 and summary["precision"] == "32"
+    assert summary["params"] == sum(p.numel() for p in zoo.create_model(name).parameters())
+    assert all(0 <= summary[k] <= 1 for k in ("best_val_top1", "test_top1", "test_top5"))
+    model, meta = zoo.load_run(run_dir)
+    assert meta["summary"]["model"] == name and meta["config"]["model"] == name
+    assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_bf16_mixed_on_cpu(slice_args, tmp_path, capsys):
+    args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--precision", "bf16-mixed",
+            "--out", str(tmp_path), *slice_args, "--limit-train-batches", "1"]
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err[-2000:]
+    summary = json.loads((REPO / out.strip().splitlines()[-1] / "summary.json").read_text())
+    assert summary["precision"] == "bf16-mixed" and summary["global_step"] == 1
+
+
+def first_epoch_rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in row.items() if v and k != "lr-AdamW"} for row in csv.DictReader(f)
+                if row["epoch"] == "0"]
+
+
+def test_same_seed_same_first_epoch_metrics(slice_args, tmp_path, capsys):
+    rows = []
+    for seed in (0, 0, 1):
+        args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--seed", str(seed),
+                "--out", str(tmp_path / str(len(rows))), *slice_args, "--limit-train-batches", "3"]
+        code, out, err = run_main(args, capsys)
+        assert code == 0, err[-2000:]
+        rows.append(first_epoch_rows(REPO / out.strip().splitlines()[-1]))
+    assert rows[0] == rows[1] and len(rows[0]) >= 2
+    assert rows[0] != rows[2]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "vit_tiny", "--precision", "fp16"], "precision must be one of"),
+    (["--model", "vit_tiny", "--set", "learning_rate=1"], "unknown config key 'learning_rate'"),
+    (["--model", "vit_tiny", "--accelerator", "gpu", "--devices", "2"], "GPU"),
+    (["--model", "vit_tiny", "--resume", "nowhere/last.ckpt"], "no checkpoint"),
+    (["--model", "vit_tiny", "--out", "FILE"], "cannot write"),
+])
+def test_user_errors_in_process(extra, message, slice_args, tmp_path, capsys):
+    (tmp_path / "FILE").write_text("")
+    extra = [str(tmp_path / a) if a == "FILE" else a for a in extra]
+    out_dir = [] if "--out" in extra else ["--out", str(tmp_path)]
+    code, out, err = run_main([*extra, *out_dir, *slice_args], capsys)
+    assert code == 2 and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", ["unknown_model", "missing_data", "wrong_layout"])
+def test_user_errors_from_the_shell(case, tmp_path):
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "a.jpg").write_bytes(b"")
+    args, message = {
+        "unknown_model": (["--model", "vit_tiyn"], "vit_tiny"),
+        "missing_data": (["--model", "vit_nano", "--data-dir", str(tmp_path / "none")], "none"),
+        "wrong_layout": (["--model", "vit_nano", "--data-dir", str(tmp_path / "flat")], "train"),
+    }[case]
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_compile_flag_trains(slice_args, tmp_path, capsys):
+    """--compile wraps the model in torch.compile (inductor takes ~30 s to compile on this CPU: slow)."""
+    args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--compile", "--out", str(tmp_path),
+            *slice_args]
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err[-2000:]
+    summary = json.loads((REPO / out.strip().splitlines()[-1] / "summary.json").read_text())
+    assert summary["global_step"] == 2

@@ -1,0 +1,88 @@
+"""zoo.viz: every figure renders to a readable PNG with its labels, titles, class names and colour bars."""
+
+from __future__ import annotations
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+
+from zoo.explain import figures as viz
+
+NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def texts(fig) -> set[str]:
+    """Every title, axis label and tick label in the figure (colour bars included)."""
+    found = {fig._suptitle.get_text()} if fig._suptitle is not None else set()
+    for ax in fig.axes:
+        found |= {ax.get_title(), ax.get_xlabel(), ax.get_ylabel()}
+        found |= {t.get_text() for t in ax.get_xticklabels() + ax.get_yticklabels()}
+        found |= {t.get_text() for t in ax.texts}
+    return found
+
+
+def saved_png(fig, tmp_path, name="fig.png"):
+    path = viz.save(fig, tmp_path / "sub" / name)
+    pixels = matplotlib.image.imread(path)
+    assert pixels.ndim == 3 and min(pixels.shape[:2]) > 100 and pixels.std() > 0.01  # not blank
+    return pixels
+
+
+def test_upsample_heatmap_is_bilinear_and_rescaled():
+    heat = torch.tensor([[0.0, 2.0], [4.0, 6.0]])
+    up = viz.upsample_heatmap(heat, (4, 4))
+    assert up.shape == (4, 4) and up.min() == 0.0 and up.max() == 1.0
+    np.testing.assert_allclose(up[0], [0.0, 1 / 12, 3 / 12, 4 / 12], atol=1e-6)  # align_corners=False weights
+    assert (viz.upsample_heatmap(torch.ones(2, 2), (4, 4)) == 0).all()  # a constant map -> all zero, not NaN
+
+
+def test_attention_grid_labels_every_layer_and_head(tmp_path):
+    maps = [torch.rand(3, 17, 17).softmax(-1) for _ in range(2)]
+    fig = viz.attention_grid_figure(maps, title="vit: image 0")
+    found = texts(fig)
+    assert {"layer 1, head 1", "layer 2, head 3", "query token", "key token", "vit: image 0"} <= found
+    assert any("attention weight" in t for t in found)  # the colour bar
+    saved_png(fig, tmp_path)
+    with pytest.raises(ValueError):
+        viz.attention_grid_figure([torch.rand(17, 17)])
+
+
+def test_explanation_figure_panels_and_title(tmp_path):
+    fig = viz.explanation_figure(torch.rand(3, 32, 32), true_name="cat", pred_name="dog",
+                                 rollout=torch.rand(8, 8), cbam=[torch.rand(32, 32), torch.rand(8, 8)])
+    found = texts(fig)
+    assert "true: cat   predicted: dog (wrong)" in found
+    panels = {"image", "attention rollout", "CBAM stage 1 (32x32)", "CBAM stage 2 (8x8)", "spatial gate"}
+    assert panels <= found
+    saved_png(fig, tmp_path)
+    plain = viz.explanation_figure(torch.rand(3, 32, 32), true_name="cat", pred_name="cat")
+    assert "true: cat   predicted: cat (correct)" in texts(plain)
+
+
+def test_confusion_matrix_figure_names_both_axes(tmp_path):
+    fig = viz.confusion_matrix_figure(torch.arange(100).reshape(10, 10), NAMES)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == NAMES
+    assert [t.get_text() for t in ax.get_yticklabels()] == NAMES
+    assert {"predicted class", "true class", "99", "images"} <= texts(fig)
+    saved_png(fig, tmp_path)
+    with pytest.raises(ValueError):
+        viz.confusion_matrix_figure(torch.zeros(3, 3), NAMES)
+
+
+def test_scatter_rollout_grid_and_deletion_figures(tmp_path):
+    fig = viz.accuracy_throughput_figure(["vit_tiny", "resnet18"], [0.8, 0.9], [5000.0, 3000.0])
+    assert {"vit_tiny", "resnet18", "test top-1 accuracy", "inference images/s"} <= texts(fig)
+    saved_png(fig, tmp_path, "scatter.png")
+    fig = viz.rollout_grid_figure(torch.rand(3, 3, 32, 32), {"vit": torch.rand(3, 8, 8), "cnn": None},
+                                  captions=NAMES[:3])
+    assert {"image", "vit", "cnn\n(no map)", "airplane"} <= texts(fig)
+    saved_png(fig, tmp_path, "grid.png")
+    result = {"fractions": [0.0, 0.5], "num_images": 4,
+              "curves": {"rollout": [1.0, 0.25], "random": [1.0, 0.5]},
+              "auc": {"rollout": 0.3125, "random": 0.375}}
+    fig = viz.deletion_figure(result)
+    labels = {t.get_text() for t in fig.axes[0].get_legend().get_texts()}
+    assert labels == {"rollout (AUC 0.312)", "random (AUC 0.375)"}
+    saved_png(fig, tmp_path, "deletion.png")

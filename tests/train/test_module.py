@@ -1,0 +1,171 @@
+"""ImageClassifier: loss, schedule, weight-decay groups, metrics, NaN stop; runs.py: atomic checkpoint IO and
+load_run errors. Uses an in-memory stand-in DataModule (random tensors) so no images are decoded here."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+import zoo
+from zoo.models.checkpoints import load_run
+from zoo.train.module import ImageClassifier, NonFiniteLossError, WarmupCosine
+from zoo.train.runs import AtomicCheckpointIO
+
+TINY = {"embed_dim": 32, "depth": 1, "num_heads": 2, "img_size": 16}
+
+
+def tiny_module(**kwargs) -> ImageClassifier:
+    return ImageClassifier("vit_nano", TINY, num_classes=10, **kwargs)
+
+
+class Batches(pl.LightningDataModule):
+    """Random images (float) with fixed labels; ``nan_batch`` gets a NaN image."""
+
+    def __init__(self, n: int = 64, batch_size: int = 8, nan_batch: int | None = None):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.images = torch.randn(n, 3, 16, 16, generator=g)
+        self.labels = torch.randint(0, 10, (n,), generator=g)
+        if nan_batch is not None:
+            self.images[nan_batch * batch_size] = float("nan")
+        self.batch_size = batch_size
+
+    def _loader(self):
+        return DataLoader(TensorDataset(self.images, self.labels), batch_size=self.batch_size)
+
+    train_dataloader = val_dataloader = test_dataloader = _loader
+
+
+def trainer(tmp_path, **kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path, plugins=[AtomicCheckpointIO()],
+                      num_sanity_val_steps=0, **kwargs)
+
+
+def test_warmup_cosine_matches_the_formula():
+    schedule = WarmupCosine(10, 110, min_ratio=0.1)
+    assert schedule(0) == pytest.approx(1 / 11) and schedule(9) == pytest.approx(10 / 11)
+    for step in (10, 35, 60, 109):
+        t = (step - 10) / 100
+        assert schedule(step) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi * t)) / 2)
+    assert schedule(500) == pytest.approx(0.1)
+
+
+def test_loss_with_int_and_probability_targets():
+    module = tiny_module(label_smoothing=0.1)
+    images, labels = torch.randn(4, 3, 16, 16), torch.tensor([1, 2, 3, 4])
+    logits = module(images)
+    smooth = F.one_hot(labels, 10).float() * 0.9 + 0.1 / 10
+    expected = -(smooth * logits.log_softmax(-1)).sum(-1).mean()      # hand-written smoothed CE
+    module.log = module.log_dict = lambda *a, **k: None
+    assert module._shared_step((images, labels), "val").item() == pytest.approx(expected.item(), rel=1e-5)
+    probs = torch.softmax(torch.randn(4, 10), -1)
+    soft = probs * 0.9 + 0.1 / 10
+    expected = -(soft * logits.log_softmax(-1)).sum(-1).mean()
+    assert module._shared_step((images, probs), "val").item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_no_weight_decay_on_norms_biases_pos_embed_cls_token(tmp_path):
+    module = tiny_module(weight_decay=0.05)
+    module.trainer = trainer(tmp_path, max_steps=10)
+    module.trainer.fit_loop.epoch_loop.max_steps = 10
+    groups = module.configure_optimizers()["optimizer"].param_groups
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    no_decay = {names[id(p)] for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+    decay = {names[id(p)] for g in groups if g["weight_decay"] == 0.05 for p in g["params"]}
+    assert {"pos_embed", "cls_token"} <= no_decay
+    assert all(n.endswith("bias") or "norm" in n or n in ("pos_embed", "cls_token") for n in no_decay)
+    assert "blocks.0.attn.qkv.weight" in decay and "head.weight" in decay
+    assert decay | no_decay == set(names.values())
+
+
+def test_validation_metrics_match_a_hand_count(tmp_path):
+    module, data = tiny_module(), Batches(n=40)
+    result = trainer(tmp_path).validate(module, datamodule=data, verbose=False)[0]
+    with torch.no_grad():
+        logits = module(data.images)
+    top5 = logits.topk(5, dim=-1).indices
+    assert result["val/top1"] == pytest.approx((logits.argmax(-1) == data.labels).float().mean().item())
+    assert result["val/top5"] == pytest.approx((top5 == data.labels[:, None]).any(-1).float().mean().item())
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    ckpt = ModelCheckpoint(tmp_path / "ckpt", "last", save_top_k=0, save_last=True, every_n_train_steps=2,
+                           enable_version_counter=False)
+    run = trainer(tmp_path, max_epochs=1, callbacks=[ckpt], limit_val_batches=0)
+    with pytest.raises(NonFiniteLossError, match="optimizer step 5"):
+        run.fit(tiny_module(), datamodule=Batches(nan_batch=5))
+    model, meta = load_run(tmp_path / "ckpt" / "last.ckpt")
+    assert meta["global_step"] == 4          # written after step 4; the step-6 checkpoint never happened
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_nan_check_does_not_sync_between_checks(tmp_path):
+    module = tiny_module(nan_check_every=100)   # the flag is only read every 100 steps and at checkpoints
+    run = trainer(tmp_path, max_steps=3, limit_val_batches=0, enable_checkpointing=False)
+    run.fit(module, datamodule=Batches(nan_batch=1))
+    assert int(module.first_bad_step) == 1
+    with pytest.raises(NonFiniteLossError, match="step 1"):
+        module.on_save_checkpoint({})
+
+
+def test_atomic_checkpoint_io_keeps_the_old_file_when_a_write_fails(tmp_path):
+    path = tmp_path / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, path)
+
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        io.save_checkpoint({"step": 2, "x": Boom()}, path)
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]   # no temp file left
+
+
+def test_load_run_rejects_missing_truncated_and_foreign_files(tmp_path):
+    run = trainer(tmp_path, max_steps=2, limit_val_batches=0, enable_checkpointing=False)
+    run.fit(tiny_module(), datamodule=Batches())
+    good = tmp_path / "good.ckpt"
+    run.save_checkpoint(good)
+    model, meta = zoo.load_run(good)
+    assert not model.training and meta["model_name"] == "vit_nano" and meta["global_step"] == 2
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(model(x), run.lightning_module.model.eval()(x))
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[:1000])
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    for path, message in [(tmp_path / "missing.ckpt", "no checkpoint"), (truncated, "truncated"),
+                          (foreign, "not a zoo"), (tmp_path, "no checkpoints/best.ckpt")]:
+        with pytest.raises(ValueError, match=message) as err:
+            zoo.load_run(path)
+        assert "\n" not in str(err.value)
+
+
+def test_init_from_a_timm_vit_state_dict_at_another_img_size(tmp_path):
+    """--init-from: a timm ViT trained at 64 px starts a 32 px zoo ViT; every weight is copied and the
+    position embedding is resampled exactly as timm resamples it for its own models."""
+    import timm
+    from timm.layers import resample_abs_pos_embed
+
+    from zoo.models.checkpoints import load_pretrained
+
+    source = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, patch_size=4, depth=2,
+                               num_classes=10)
+    torch.save(source.state_dict(), tmp_path / "timm_vit.pth")
+    model = zoo.create_model("vit_tiny", depth=2)
+    loaded = load_pretrained(model, tmp_path / "timm_vit.pth")
+    assert set(loaded) == set(source.state_dict())
+    expected_pos = resample_abs_pos_embed(source.pos_embed.detach(), [8, 8], [16, 16], num_prefix_tokens=1)
+    torch.testing.assert_close(model.pos_embed.detach(), expected_pos)
+    torch.testing.assert_close(model.blocks[1].attn.qkv.weight, source.blocks[1].attn.qkv.weight)
+    with pytest.raises(ValueError, match="no weight matches"):
+        load_pretrained(zoo.create_model("resnet18"), tmp_path / "timm_vit.pth")

@@ -1,0 +1,72 @@
+"""Real subprocess runs of train.py: SIGKILL mid-training then ``--resume auto`` continues the same run
+directory from checkpoints/last.ckpt; DDP on two CPU processes (gloo) leaves one run directory."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def base_args(cifar_dir, tmp_path):
+    return [sys.executable, str(REPO / "train.py"), "--model", "vit_nano",
+            "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path / "cache"), "--max-train-images", "400",
+            "--max-test-images", "64", "--set", "val_size=64", "--batch-size", "16",
+            "--out", str(tmp_path / "runs"),
+            "--limit-val-batches", "1", "--limit-test-batches", "1"]
+
+
+def test_sigkill_then_resume_auto_continues_the_same_run(base_args, tmp_path):
+    cmd = [*base_args, "--epochs", "2", "--limit-train-batches", "20", "--ckpt-every-n-steps", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    deadline = time.time() + 180
+    last = None
+    while time.time() < deadline and proc.poll() is None:
+        found = list((tmp_path / "runs").glob("vit_nano/*/checkpoints/last.ckpt"))
+        if found:
+            last = found[0]
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert last is not None, "no checkpoint appeared before the run ended"
+    run_dir = last.parent.parent
+    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
+    killed_at = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+    assert 0 < killed_at < 40
+
+    done = subprocess.run([*cmd, "--resume", "auto"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == str(run_dir)
+    assert [p.name for p in (tmp_path / "runs" / "vit_nano").iterdir()] == [run_dir.name]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 40 and summary["epochs"] == 2
+    with open(run_dir / "metrics.csv", newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps == sorted(steps) and steps[-1] >= 39      # history before the kill kept, not duplicated
+    assert min(steps) < killed_at
+
+
+def test_ddp_two_cpu_processes_leave_one_run(base_args, tmp_path):
+    cmd = [*base_args, "--epochs", "1", "--limit-train-batches", "2", "--accelerator", "cpu",
+           "--devices", "2", "--strategy", "ddp"]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "ZOO_RUN_DIR")}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = list((tmp_path / "runs" / "vit_nano").iterdir())
+    assert len(runs) == 1
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["devices"] == 2 and summary["global_step"] == 2
+    assert (runs[0] / "checkpoints" / "last.ckpt").is_file()

@@ -1,0 +1,21 @@
+"""Measuring speed and memory: timing and memory primitives (``timing``) and the side-by-side suite that
+``eval.py --bench-suite`` runs (``suite``). Imports ``zoo.models`` and ``zoo.layers`` (and ``zoo.train``'s data
+module for the input-pipeline measurement)."""
+
+from .timing import (
+    PRECISIONS,
+    autocast_for,
+    benchmark_model,
+    interleaved_medians,
+    measure_inference,
+    measure_latency,
+    measure_training,
+    median_seconds,
+    peak_memory,
+    synchronize,
+)
+
+__all__ = [
+    "PRECISIONS", "autocast_for", "benchmark_model", "interleaved_medians", "measure_inference",
+    "measure_latency", "measure_training", "median_seconds", "peak_memory", "synchronize",
+]

@@ -1,0 +1,306 @@
+"""The zoo's benchmark suite: the attention op and whole models side by side with timm and with the bare
+torch floor, attention memory per backend, model FLOP utilisation, input-pipeline speed, and the
+optimisation claims attention tutorials quote, re-measured on the zoo's own backends and masks.
+
+Every timing is the median of several repeats after warm-up, with the candidates interleaved repeat by
+repeat (zoo.bench.interleaved_medians), on one device (CUDA when there is one, else the CPU) and precision
+(bf16-mixed on a GPU, fp32 on the CPU). Results: ``bench.json`` and ``bench.md``.
+Run: ``python eval.py --bench-suite --out DIR`` (``run_suite(out)`` from Python).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from timm.layers import to_2tuple
+from torch import nn
+
+from ..layers.attention import MultiHeadAttention
+from ..layers.masks import sliding_window_mask
+from ..models import create_model, list_models, model_info
+from .timing import PRECISIONS, autocast_for, inference_step, interleaved_medians, peak_memory, training_step
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _fwd_bwd(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, precision: str,
+             **kwargs) -> Callable[[], None]:
+    grad = torch.ones_like(x)  # every candidate maps (B, N, dim) -> (B, N, dim)
+
+    def step():
+        with autocast_for(x.device, precision):
+            out = module(x, **kwargs)
+        out.backward(grad.to(out.dtype))
+
+    return step
+
+
+class _FloorAttention(nn.Module):
+    """The least work multi-head self-attention can do in torch: two F.linear and one SDPA call."""
+
+    def __init__(self, ref: MultiHeadAttention):
+        super().__init__()
+        self.ref, self.h = ref, ref.num_heads
+
+    def forward(self, x):
+        b, n, c = x.shape
+        qkv = F.linear(x, self.ref.qkv.weight, self.ref.qkv.bias)
+        q, k, v = qkv.view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return F.linear(out.transpose(1, 2).reshape(b, n, c), self.ref.proj.weight, self.ref.proj.bias)
+
+
+def bench_attention_op(ns=(65, 257, 1025), batch: int = 32, heads: int = 3, head_dim: int = 64, *,
+                       repeats: int = 5, device=None, precision: str = "32") -> list[dict]:
+    """Forward+backward of one attention layer: zoo (auto) vs timm's Attention (same weights) vs the floor."""
+    from timm.layers import Attention as TimmAttention
+
+    device = torch.device(device or default_device())
+    dim = heads * head_dim
+    zoo_attn = MultiHeadAttention(dim, heads).to(device)
+    timm_attn = TimmAttention(dim, heads, qkv_bias=True).to(device)
+    timm_attn.load_state_dict(zoo_attn.state_dict())  # same names and (3, heads, head_dim) layout
+    floor = _FloorAttention(zoo_attn)
+    rows = []
+    for n in ns:
+        x = torch.randn(batch, n, dim, device=device, requires_grad=True)
+        med = interleaved_medians({name: _fwd_bwd(m, x, precision) for name, m in
+                                   (("zoo", zoo_attn), ("timm", timm_attn), ("floor", floor))},
+                                  device, repeats=repeats)
+        rows.append({"n": n, **{f"{k}_ms": 1e3 * v for k, v in med.items()},
+                     "zoo_vs_floor": med["zoo"] / med["floor"], "zoo_vs_timm": med["zoo"] / med["timm"]})
+    return rows
+
+
+def _timm_vit_like(model) -> nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=model.img_size, patch_size=model.patch_size,
+                             embed_dim=model.embed_dim, depth=len(model.blocks),
+                             num_heads=model.blocks[0].attn.num_heads, num_classes=10)
+
+
+def bench_models(name: str = "vit_tiny", train_batch: int = 128, infer_batch: int = 256, *,
+                 repeats: int = 3, device=None, precision: str = "32") -> dict:
+    """Training and inference images/s of a zoo ViT vs timm's VisionTransformer of the same configuration."""
+    device = torch.device(device or default_device())
+    zoo_model = create_model(name).to(device)
+    timm_model = _timm_vit_like(zoo_model).to(device)
+    shape = (3, *zoo_model.img_size)
+    models = {"zoo": zoo_model, "timm": timm_model}
+    for m in models.values():
+        m.train()
+    train = interleaved_medians({k: training_step(m, shape, train_batch, precision=precision)
+                                 for k, m in models.items()}, device, repeats=repeats)
+    for m in models.values():
+        m.eval()
+    infer = interleaved_medians({k: inference_step(m, shape, infer_batch, precision=precision)
+                                 for k, m in models.items()}, device, repeats=repeats)
+    out = {"model": name, "precision": precision, "train_batch": train_batch, "infer_batch": infer_batch}
+    for k in models:
+        out[f"{k}_train_img_s"] = train_batch / train[k]
+        out[f"{k}_infer_img_s"] = infer_batch / infer[k]
+    out["train_ratio"] = out["zoo_train_img_s"] / out["timm_train_img_s"]
+    out["infer_ratio"] = out["zoo_infer_img_s"] / out["timm_infer_img_s"]
+    return out
+
+
+def bench_training_speed(names=None, batch: int = 128, *, repeats: int = 3, device=None,
+                         precision: str = "32") -> list[dict]:
+    """Training images/s of every zoo model (forward, backward, AdamW step), for the pipeline comparison."""
+    device = torch.device(device or default_device())
+    rows = []
+    for name in names or list_models():
+        model = create_model(name).to(device).train()
+        shape = (3, *to_2tuple(getattr(model, "img_size", 32)))  # CNNs without an img_size: CIFAR's
+        step = training_step(model, shape, batch, precision=precision)
+        seconds = interleaved_medians({name: step}, device, repeats=repeats)[name]
+        rows.append({"model": name, "train_img_s": batch / seconds})
+    return rows
+
+
+_MEMORY_SCRIPT = """
+import sys, torch, zoo
+from zoo.bench.timing import peak_memory
+backend, n, window = sys.argv[1], int(sys.argv[2]), int(sys.argv[4])
+backward, device = sys.argv[3] == "1", torch.device(sys.argv[5])
+attn = zoo.MultiHeadAttention(192, 3, backend=backend).to(device)
+attn(torch.randn(1, 8, 192, device=device)).sum().backward()  # load kernels before measuring
+x = torch.randn(1, n, 192, device=device, requires_grad=backward)
+mask = zoo.masks.sliding_window_mask(n, window, device=device) if window else None
+def call():
+    with torch.set_grad_enabled(backward):
+        out = attn(x, mask=mask)
+        if backward:
+            out.sum().backward()
+print(peak_memory(call, device) / 2**20)
+"""
+
+
+def attention_peak_memory_mb(backend: str, n: int, backward: bool, window: int = 0, device=None) -> float:
+    """Peak memory growth (MiB, zoo.bench.peak_memory: CUDA allocator peak, or peak RSS on a Linux CPU) of
+    one attention call (B=1, 3 heads, head_dim 64; a sliding-window mask when ``window``) in a fresh
+    subprocess, once inputs exist and kernels are loaded. glibc's mmap threshold is pinned: its default grows
+    with freed blocks, and the heap then keeps freed chunks, inflating the CPU peak."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    args = [backend, str(n), str(int(backward)), str(window), str(device or default_device())]
+    res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True,
+                         check=True, env=env)
+    return float(res.stdout.strip().splitlines()[-1])
+
+
+def bench_memory(n: int = 4097, backends=("math", "sdpa", "chunked", "linear"), device=None) -> list[dict]:
+    return [{"backend": b, "n": n, "inference_mb": attention_peak_memory_mb(b, n, False, device=device),
+             "backward_mb": attention_peak_memory_mb(b, n, True, device=device)} for b in backends]
+
+
+def gemm_peak_flops(size: int = 2048, repeats: int = 5, device=None, dtype=torch.float32) -> float:
+    device = torch.device(device or default_device())
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    return 2 * size**3 / interleaved_medians({"mm": lambda: torch.mm(a, b)}, device, repeats=repeats)["mm"]
+
+
+def bench_mfu(name: str, train_img_s: float, device=None, precision: str = "32") -> dict:
+    """Model FLOP utilisation: training FLOPs/s (3x forward FLOPs per image, attention included) over the
+    GEMM peak measured here in the same dtype (fp32, or bf16 for bf16-mixed)."""
+    dtype = PRECISIONS[precision] or torch.float32
+    fwd = model_info(create_model(name))["flops"]
+    peak = gemm_peak_flops(device=device, dtype=dtype)
+    achieved = 3 * fwd * train_img_s
+    return {"model": name, "forward_flops_per_image": fwd, "train_img_s": train_img_s,
+            "achieved_gflops": achieved / 1e9, "gemm_peak_gflops": peak / 1e9, "mfu": achieved / peak}
+
+
+def bench_pipeline(data_dir: str | None, batch: int = 128, batches: int = 50, device=None,
+                   **data_kwargs) -> dict:
+    """The input pipeline alone: batch from the in-memory uint8 cache + augment + normalise, images/s.
+    ``data_kwargs`` go to zoo.data.ImageDataModule (e.g. max_train_images, cache_dir)."""
+    from ..train.data import ImageDataModule, measure_throughput
+
+    dm = ImageDataModule(data_dir, batch_size=batch, **data_kwargs)
+    dm.prepare_data()
+    dm.setup("fit")
+    return {"batch": batch, "img_s": measure_throughput(dm, num_batches=batches, device=device)}
+
+
+def bench_precision(name: str = "vit_tiny", batch: int = 8, *, repeats: int = 3, device=None) -> dict:
+    """fp32 vs bf16 autocast for one model: training and inference time, and a training step's peak memory.
+    On a CPU only at a tiny batch, to record what bf16 costs there."""
+    device = torch.device(device or default_device())
+    model = create_model(name).to(device)
+    shape = (3, *model.img_size)
+    precisions = ("32", "bf16-mixed")
+    model.train()
+    train = interleaved_medians({p: training_step(model, shape, batch, precision=p) for p in precisions},
+                                device, repeats=repeats)
+    model.eval()
+    infer = interleaved_medians({p: inference_step(model, shape, batch, precision=p) for p in precisions},
+                                device, repeats=repeats)
+    saving = None
+    if device.type == "cuda":  # the CPU's peak RSS cannot resolve one small step inside a warm process
+        model.train()
+        memory = {p: peak_memory(training_step(model, shape, batch, precision=p), device) for p in precisions}
+        saving = memory["32"] / memory["bf16-mixed"]
+    return {"model": name, "device": device.type, "batch": batch,
+            "bf16_train_speedup": train["32"] / train["bf16-mixed"],
+            "bf16_infer_speedup": infer["32"] / infer["bf16-mixed"], "bf16_memory_saving": saving}
+
+
+def bench_claims(memory: list[dict], precision_row: dict, *, n: int = 1025, batch: int = 8, repeats: int = 5,
+                 device=None) -> list[dict]:
+    """Tutorial claims re-measured on the zoo's own backends and masks (3 heads, head_dim 64)."""
+    device = torch.device(device or default_device())
+    dim = 192
+    attn = MultiHeadAttention(dim, 3).to(device)
+    x = torch.randn(batch, n, dim, device=device, requires_grad=True)
+    window = sliding_window_mask(n, 64, device=device)
+
+    def run(backend, mask=None):
+        def step():
+            attn.backend = backend
+            attn(x, mask=mask).sum().backward()
+        return step
+
+    med = interleaved_medians({"math": run("math"), "sdpa": run("sdpa"), "sdpa_window": run("sdpa", window)},
+                              device, repeats=repeats)
+    by = {r["backend"]: r for r in memory}
+    n_mem = memory[0]["n"]
+    window_mb = attention_peak_memory_mb("sdpa", n_mem, True, window=64, device=device)
+    where = precision_row["device"]
+    return [
+        {"claim": "memory-efficient attention ~1.5x faster", "measured": med["math"] / med["sdpa"],
+         "unit": f"x speed, math / sdpa (fwd+bwd, B={batch}, N={n})"},
+        {"claim": "memory-efficient attention ~3x less memory",
+         "measured": by["math"]["backward_mb"] / max(by["sdpa"]["backward_mb"], 1e-3),
+         "unit": f"x memory, math / sdpa (fwd+bwd peak, N={n_mem})"},
+        {"claim": "sliding-window attention ~3x faster", "measured": med["sdpa"] / med["sdpa_window"],
+         "unit": f"x speed, dense / window-64 mask (sdpa, fwd+bwd, B={batch}, N={n})"},
+        {"claim": "sliding-window attention ~4x less memory",
+         "measured": by["sdpa"]["backward_mb"] / max(window_mb, 1e-3),
+         "unit": f"x memory, dense / window-64 mask (sdpa, fwd+bwd peak, N={n_mem})"},
+        {"claim": "mixed precision ~2x faster", "measured": precision_row["bf16_train_speedup"],
+         "unit": f"x training speed, fp32 / bf16-mixed ({where}, batch {precision_row['batch']})"},
+        {"claim": "mixed precision ~1.5x less memory", "measured": precision_row["bf16_memory_saving"],
+         "unit": f"x training-step peak memory, fp32 / bf16-mixed ({where}; GPU only)"},
+    ]
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or
+            platform.machine(), "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("—" if v is None else str(v))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def run_suite(out: str | Path, data_dir: str | None = None, quick: bool = False, device=None) -> dict:
+    """Run every benchmark, write OUT/bench.json and OUT/bench.md, return the results. ``quick``: smaller
+    sizes and fewer repeats (a smoke run of the suite itself, not numbers to report)."""
+    device = torch.device(device or default_device())
+    precision = "bf16-mixed" if device.type == "cuda" else "32"
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    repeats = 1 if quick else 5
+    results: dict = {"machine": machine()}
+    results["attention_op"] = bench_attention_op(ns=(33,) if quick else (65, 257, 1025),
+                                                 batch=2 if quick else 32, repeats=repeats, device=device,
+                                                 precision=precision)
+    results["models"] = [bench_models("vit_tiny", train_batch=2 if quick else 128,
+                                      infer_batch=2 if quick else 256, repeats=1 if quick else 3,
+                                      device=device, precision=precision)]
+    results["training_speed"] = bench_training_speed(["hybrid_tiny"] if quick else None,
+                                                     batch=2 if quick else 128, repeats=1 if quick else 3,
+                                                     device=device, precision=precision)
+    results["memory"] = bench_memory(n=2049 if quick else 4097, device=device)
+    results["mfu"] = [bench_mfu("vit_tiny", results["models"][0]["zoo_train_img_s"], device, precision)]
+    subset = dict(max_train_images=2000, max_test_images=100, val_size=200) if quick else {}
+    results["pipeline"] = bench_pipeline(data_dir, batches=5 if quick else 50, device=device, **subset)
+    fastest = max(r["train_img_s"] for r in results["training_speed"])
+    results["pipeline"]["vs_fastest_model_training"] = results["pipeline"]["img_s"] / fastest
+    tiny = 2 if quick else 8  # bf16 on a CPU: a tiny batch only, to record what it costs there
+    results["precision"] = [bench_precision(batch=128 if device.type == "cuda" else tiny, device=device,
+                                            repeats=1 if quick else 3)]
+    results["claims"] = bench_claims(results["memory"], results["precision"][0], n=257 if quick else 1025,
+                                     batch=2 if quick else 8, repeats=repeats, device=device)
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    sections = [f"## {k}\n\n{_table(v if isinstance(v, list) else [v])}\n" for k, v in results.items()]
+    (out / "bench.md").write_text("\n".join(sections))
+    return results

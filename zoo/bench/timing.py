@@ -1,0 +1,168 @@
+"""Speed and memory of a model: inference and training throughput, batch-1 latency, peak memory.
+
+Each measurement warms up, then reports the median of several timed repeats (the device is synchronised
+around each). ``precision`` is Lightning's spelling: "32" (float32), "bf16-mixed" / "16-mixed" (autocast).
+The training step runs on a copy of the model, so the model passed in is left untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..train.device import synchronize
+
+Shape = tuple[int, int, int]  # (C, H, W) of one image
+PRECISIONS = {"32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def autocast_for(device: torch.device, precision: str):
+    """The autocast context for a Lightning precision string ("32": none) on ``device``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    dtype = PRECISIONS[precision]
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def interleaved_medians(candidates: dict[str, Callable[[], object]], device: torch.device | None = None, *,
+                        warmup: int = 1, repeats: int = 5) -> dict[str, float]:
+    """Median wall seconds per call of each candidate after ``warmup`` untimed calls. Repeat r runs every
+    candidate once before repeat r + 1, so drift in the machine's speed hits all candidates alike."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    device = device or torch.device("cpu")
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int = 1,
+                   repeats: int = 5) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed ones."""
+    return interleaved_medians({"fn": fn}, device, warmup=warmup, repeats=repeats)["fn"]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def inference_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 256, *,
+                   precision: str = "32") -> Callable[[], None]:
+    """A closure running one no-grad forward of ``batch`` random images on the model's device."""
+    device = _device(model)
+    x = torch.randn(batch, *input_shape, device=device)
+
+    def step():
+        with torch.no_grad(), autocast_for(device, precision):
+            model(x)
+
+    return step
+
+
+def training_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 128, *,
+                  num_classes: int = 10, precision: str = "32") -> Callable[[], None]:
+    """A closure running one training step (forward, cross-entropy, backward, AdamW step) of ``model`` itself
+    on ``batch`` random images; pass a copy to keep the original weights."""
+    device = _device(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, *input_shape, device=device)
+    y = torch.randint(0, num_classes, (batch,), device=device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with autocast_for(device, precision):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def measure_inference(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 256, *,
+                      precision: str = "32", warmup: int = 1, repeats: int = 5) -> float:
+    """Forward images/s in eval mode, ``batch`` images of ``input_shape`` (C, H, W), on the model's device."""
+    was_training = model.training
+    model.eval()
+    try:
+        step = inference_step(model, input_shape, batch, precision=precision)
+        return batch / median_seconds(step, _device(model), warmup=warmup, repeats=repeats)
+    finally:
+        model.train(was_training)
+
+
+def measure_latency(model: nn.Module, input_shape: Shape = (3, 32, 32), *, precision: str = "32",
+                    warmup: int = 3, repeats: int = 20) -> float:
+    """Median seconds of one batch-1 forward in eval mode."""
+    return 1.0 / measure_inference(model, input_shape, 1, precision=precision, warmup=warmup, repeats=repeats)
+
+
+def measure_training(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 128, *,
+                     num_classes: int = 10, precision: str = "32", warmup: int = 1,
+                     repeats: int = 5) -> float:
+    """Training images/s: forward, cross-entropy, backward and an AdamW step at ``batch``, on a copy of the
+    model (same device), so the weights of ``model`` do not change."""
+    step = training_step(copy.deepcopy(model).train(), input_shape, batch, num_classes=num_classes,
+                         precision=precision)
+    return batch / median_seconds(step, _device(model), warmup=warmup, repeats=repeats)
+
+
+def _proc_status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Peak memory in bytes that running ``fn()`` adds: on CUDA the allocator's peak; on a Linux CPU the
+    growth of the peak resident set (reset through /proc/self/clear_refs first); None where neither exists
+    (``fn`` is then not run). CPU figures include allocator slack (glibc keeps freed blocks)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (the peak RSS) to the current RSS
+        base = _proc_status_kb("VmRSS:")
+    except OSError:
+        return None
+    fn()
+    return 1024 * (_proc_status_kb("VmHWM:") - base)
+
+
+def benchmark_model(model: nn.Module, input_shape: Shape = (3, 32, 32), *, num_classes: int = 10,
+                    precision: str = "32", infer_batch: int = 256, train_batch: int = 128,
+                    repeats: int | None = None) -> dict:
+    """All of the above for one model on its current device: {"device", "precision", "inference_images_per_s",
+    "training_images_per_s", "latency_ms", "peak_memory_bytes" (one training step), "repeats"}.
+    ``repeats`` defaults to 3 on the CPU (about a minute for a small ViT) and 10 on an accelerator."""
+    device = _device(model)
+    repeats = repeats or (3 if device.type == "cpu" else 10)
+    inference = measure_inference(model, input_shape, infer_batch, precision=precision, repeats=repeats)
+    training = measure_training(model, input_shape, train_batch, num_classes=num_classes, precision=precision,
+                                repeats=repeats)
+    latency = measure_latency(model, input_shape, precision=precision, repeats=max(repeats, 5))
+    memory = peak_memory(lambda: measure_training(model, input_shape, train_batch, num_classes=num_classes,
+                                                  precision=precision, warmup=0, repeats=1), device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "precision": precision, "inference_images_per_s": inference,
+            "training_images_per_s": training, "latency_ms": latency * 1000, "peak_memory_bytes": memory,
+            "infer_batch": infer_batch, "train_batch": train_batch, "repeats": repeats}

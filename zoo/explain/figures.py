@@ -1,0 +1,221 @@
+"""Matplotlib figures for explaining and comparing models: heatmap overlays,
+per-layer per-head attention grids, per-image explanation panels, confusion matrices, accuracy-vs-throughput
+scatters, rollout grids across models, and deletion curves (see zoo.explain). Built on
+``matplotlib.figure.Figure`` directly: no pyplot, so no backend is chosen or switched and no display is needed.
+
+Every ``*_figure`` function returns a ``matplotlib.figure.Figure``; ``save`` writes it as a PNG.
+Images are (3, H, W) floats in [0, 1] (``ImageDataModule.denormalize``); heatmaps are (gh, gw), any scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize, PowerNorm
+from matplotlib.figure import Figure
+
+HEATMAP_CMAP = "jet"
+
+
+def _subplots(nrows: int = 1, ncols: int = 1, *, squeeze: bool = True, figsize=None, layout=None):
+    """``plt.subplots`` without pyplot: a Figure that no backend or global figure list holds on to."""
+    fig = Figure(figsize=figsize, layout=layout)
+    return fig, fig.subplots(nrows, ncols, squeeze=squeeze)
+
+
+def save(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
+    """Write ``fig`` as a PNG (parent folders created). Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    return path
+
+
+def _image(image: torch.Tensor) -> np.ndarray:
+    """(3, H, W) in [0, 1] -> (H, W, 3) numpy for imshow."""
+    if image.dim() != 3 or image.shape[0] not in (1, 3):
+        raise ValueError(f"image must be (C, H, W) with C = 1 or 3, got {tuple(image.shape)}")
+    return image.detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy()
+
+
+def upsample_heatmap(heatmap: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+    """(gh, gw) heatmap -> (H, W) numpy, bilinearly upsampled and rescaled to [0, 1] (min -> 0, max -> 1)."""
+    if heatmap.dim() != 2:
+        raise ValueError(f"heatmap must be (gh, gw), got {tuple(heatmap.shape)}")
+    up = F.interpolate(heatmap.detach().float().cpu()[None, None], size=size, mode="bilinear",
+                       align_corners=False)[0, 0]
+    span = up.max() - up.min()
+    return ((up - up.min()) / span if span > 0 else torch.zeros_like(up)).numpy()
+
+
+def overlay(ax, image: torch.Tensor, heatmap: torch.Tensor, *, alpha: float = 0.5, title: str | None = None):
+    """Draw ``image`` with ``heatmap`` upsampled over it (rescaled to [0, 1] = least .. most important)."""
+    pixels = _image(image)
+    ax.imshow(pixels)
+    ax.imshow(upsample_heatmap(heatmap, pixels.shape[:2]), cmap=HEATMAP_CMAP, alpha=alpha, vmin=0, vmax=1)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    if title:
+        ax.set_title(title, fontsize=9)
+
+
+def heatmap_colorbar(fig: Figure, ax, label: str = "relative importance (min..max)"):
+    """The colour bar of ``overlay``'s [0, 1] heatmap scale, beside ``ax`` (one axes or an array of them)."""
+    return fig.colorbar(ScalarMappable(Normalize(0, 1), HEATMAP_CMAP), ax=ax, fraction=0.046, pad=0.04,
+                        label=label)
+
+
+def attention_grid_figure(maps: Sequence[torch.Tensor], *, title: str = "attention weights") -> Figure:
+    """Grid of every layer's (rows) and head's (columns) attention matrix for one image.
+    maps: one (H, N, M) tensor per layer. Shared power-law colour scale, one colour bar."""
+    if len(maps) == 0 or any(m.dim() != 3 for m in maps):
+        raise ValueError(f"maps must be a non-empty list of (H, N, M) tensors, got "
+                         f"{[tuple(m.shape) for m in maps]}")
+    layers, heads = len(maps), max(m.shape[0] for m in maps)
+    vmax = max(m.max().item() for m in maps)
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=vmax)
+    fig, axes = _subplots(layers, heads, figsize=(1.9 * heads + 1.2, 1.9 * layers + 0.6), squeeze=False,
+                             layout="constrained")
+    shown = None
+    for layer, weights in enumerate(maps):
+        for head in range(heads):
+            ax = axes[layer, head]
+            if head >= weights.shape[0]:
+                ax.axis("off")
+                continue
+            shown = ax.imshow(weights[head].detach().float().cpu().numpy(), cmap="viridis", norm=norm)
+            ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=8)
+            ax.tick_params(labelsize=6)
+            if head == 0:
+                ax.set_ylabel("query token", fontsize=7)
+            if layer == layers - 1:
+                ax.set_xlabel("key token", fontsize=7)
+    fig.suptitle(title)
+    fig.colorbar(shown, ax=axes, fraction=0.02, pad=0.02, label="attention weight (power-law scale)")
+    return fig
+
+
+def explanation_figure(image: torch.Tensor, *, true_name: str, pred_name: str,
+                       rollout: torch.Tensor | None = None, cbam: Sequence[torch.Tensor] = ()) -> Figure:
+    """One image explained: the image | the rollout overlaid (if any) | each CBAM stage's spatial gate (h, w)
+    in [0, 1]. Titled with the true and predicted class."""
+    panels = 1 + (rollout is not None) + len(cbam)
+    fig, axes = _subplots(1, panels, figsize=(2.9 * panels, 3.0), squeeze=False, layout="constrained")
+    axes = axes[0]
+    axes[0].imshow(_image(image))
+    axes[0].set_title("image", fontsize=9)
+    axes[0].set_xticks([])
+    axes[0].set_yticks([])
+    col = 1
+    if rollout is not None:
+        overlay(axes[col], image, rollout, title="attention rollout")
+        heatmap_colorbar(fig, axes[col])
+        col += 1
+    for stage, gate in enumerate(cbam, start=1):
+        shown = axes[col].imshow(gate.detach().float().cpu().numpy(), cmap=HEATMAP_CMAP, vmin=0, vmax=1)
+        axes[col].set_title(f"CBAM stage {stage} ({gate.shape[0]}x{gate.shape[1]})", fontsize=9)
+        axes[col].set_xticks([])
+        axes[col].set_yticks([])
+        fig.colorbar(shown, ax=axes[col], fraction=0.046, pad=0.04, label="spatial gate")
+        col += 1
+    verdict = "correct" if true_name == pred_name else "wrong"
+    fig.suptitle(f"true: {true_name}   predicted: {pred_name} ({verdict})")
+    return fig
+
+
+def confusion_matrix_figure(matrix: torch.Tensor, class_names: Sequence[str], *,
+                            title: str = "confusion matrix") -> Figure:
+    """(C, C) counts, rows = true class, columns = predicted class, with the count in each cell."""
+    matrix = torch.as_tensor(matrix).detach().cpu()
+    c = len(class_names)
+    if matrix.shape != (c, c):
+        raise ValueError(f"matrix must be (C, C) = ({c}, {c}) for {c} class names, got {tuple(matrix.shape)}")
+    fig, ax = _subplots(figsize=(0.6 * c + 3, 0.6 * c + 2), layout="constrained")
+    shown = ax.imshow(matrix.numpy(), cmap="Blues")
+    ax.set_xticks(range(c), class_names, rotation=45, ha="right")
+    ax.set_yticks(range(c), class_names)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title)
+    threshold = matrix.max().item() / 2
+    for i in range(c):
+        for j in range(c):
+            value = matrix[i, j].item()
+            ax.text(j, i, f"{value:g}", ha="center", va="center", fontsize=7,
+                    color="white" if value > threshold else "black")
+    fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04, label="images")
+    return fig
+
+
+def accuracy_throughput_figure(names: Sequence[str], accuracy: Sequence[float],
+                               throughput: Sequence[float], *,
+                               throughput_label: str = "inference images/s") -> Figure:
+    """Scatter of test top-1 (fraction) against throughput, one labelled point per model."""
+    if not len(names) == len(accuracy) == len(throughput):
+        raise ValueError(f"names, accuracy and throughput must have one entry per model, got lengths "
+                         f"{len(names)}, {len(accuracy)}, {len(throughput)}")
+    fig, ax = _subplots(figsize=(6, 4.5))
+    ax.scatter(throughput, accuracy, s=40)
+    for name, x, y in zip(names, throughput, accuracy, strict=True):
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=9)
+    ax.set_xlabel(throughput_label)
+    ax.set_ylabel("test top-1 accuracy")
+    ax.set_title("accuracy vs throughput")
+    ax.grid(alpha=0.3)
+    ax.margins(0.2)
+    return fig
+
+
+def rollout_grid_figure(images: torch.Tensor, heatmaps: Mapping[str, torch.Tensor | None], *,
+                        captions: Sequence[str] | None = None) -> Figure:
+    """The same images (n, 3, H, W) in [0, 1] (columns) explained by several models (rows):
+    heatmaps maps a model name to (n, gh, gw) (its rollout or CBAM map), or None (shown as the bare image)."""
+    n = images.shape[0]
+    rows = 1 + len(heatmaps)
+    fig, axes = _subplots(rows, n, figsize=(1.8 * n + 1.2, 1.9 * rows), squeeze=False,
+                             layout="constrained")
+    any_map = False
+    for col in range(n):
+        ax = axes[0, col]
+        ax.imshow(_image(images[col]))
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if captions is not None:
+            ax.set_title(captions[col], fontsize=8)
+        for row, (name, maps) in enumerate(heatmaps.items(), start=1):
+            ax = axes[row, col]
+            if maps is None:
+                ax.imshow(_image(images[col]))
+                ax.set_xticks([])
+                ax.set_yticks([])
+            else:
+                overlay(ax, images[col], maps[col])
+                any_map = True
+            if col == 0:
+                label = name.replace(" (", "\n(")  # "model (run-id)" on two lines
+                ax.set_ylabel(label if maps is not None else f"{label}\n(no map)", fontsize=8)
+    axes[0, 0].set_ylabel("image", fontsize=9)
+    if any_map:
+        heatmap_colorbar(fig, axes)
+    fig.suptitle("what each model attends to (rollout, or CBAM gate for CNNs)")
+    return fig
+
+
+def deletion_figure(result: Mapping, *, title: str = "deletion test") -> Figure:
+    """Top-1 against the fraction of patches blanked, one curve per ranking, AUC in the legend
+    (``result`` as returned by zoo.explain.deletion_test)."""
+    fig, ax = _subplots(figsize=(6, 4.5))
+    for name, curve in result["curves"].items():
+        ax.plot(result["fractions"], curve, marker="o", label=f"{name} (AUC {result['auc'][name]:.3f})")
+    ax.set_xlabel("fraction of patches blanked (8x8 grid, most important first)")
+    ax.set_ylabel("top-1 accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{title} ({result['num_images']} images; lower AUC = more faithful)", fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig

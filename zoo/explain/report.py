@@ -1,0 +1,240 @@
+"""Evaluating trained runs, what ``eval.py`` calls: test metrics with a confusion matrix and the most confused
+class pairs, attention / CBAM figures for a few test images, the deletion test (zoo.explain), speed
+(zoo.bench), and a side-by-side comparison of several runs. Every function writes into an output folder and
+returns what it wrote, so a notebook can do what the command line does.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics.classification import MulticlassConfusionMatrix
+
+from ..bench.timing import benchmark_model, measure_inference
+from ..models.checkpoints import load_run
+from ..train.data import ImageDataModule
+from ..train.runs import write_json
+from . import figures as viz
+from .faithfulness import deletion_test
+from .rollout import explain
+
+
+def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int = 256,
+                    max_test_images: int | None = None) -> ImageDataModule:
+    """The test data a run was trained for: its config's data folder, image size, split and cache
+    (``data_dir`` overrides the folder), set up for testing; zoo.data.DataError when the data is not there."""
+    cfg = meta.get("config") or {}
+    dm = ImageDataModule(
+        data_dir if data_dir is not None else cfg.get("data_dir"), download=False,
+        img_size=cfg.get("img_size", 32), batch_size=batch_size, val_size=cfg.get("val_size", 5000),
+        seed=cfg.get("seed", 0), cache_dir=cfg.get("cache_dir"), device_cache="cpu",
+        max_train_images=cfg.get("max_train_images"), max_test_images=max_test_images,
+    )
+    dm.prepare_data()
+    dm.setup("test")
+    return dm
+
+
+def most_confused(matrix: torch.Tensor, class_names: Sequence[str], top: int = 5) -> list[dict]:
+    """The ``top`` largest off-diagonal cells of a (C, C) confusion matrix (rows true, columns predicted):
+    [{"true", "predicted", "count", "fraction" (of the true class's images)}], largest first, no zeros."""
+    off = matrix.clone().float()
+    off.fill_diagonal_(-1)
+    counts, flat = off.flatten().topk(min(top, off.numel()))
+    rows = matrix.sum(dim=1)
+    pairs = []
+    for count, index in zip(counts.tolist(), flat.tolist(), strict=True):
+        if count <= 0:
+            break
+        i, j = divmod(index, matrix.shape[1])
+        pairs.append({"true": class_names[i], "predicted": class_names[j], "count": int(count),
+                      "fraction": count / rows[i].item()})
+    return pairs
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]:
+    """Test-set metrics of ``model`` on ``dm`` (set up for "test"): ({"test_top1", "test_top5",
+    "test_loss", "per_class_accuracy": {name: fraction}, "most_confused": [...], "num_images"},
+    confusion matrix (C, C))."""
+    device = next(model.parameters()).device
+    model.eval()
+    c = dm.num_classes
+    confusion = MulticlassConfusionMatrix(num_classes=c).to(device)
+    top1 = top5 = loss = 0.0
+    count = 0
+    for images, labels in dm.test_dataloader():
+        images, labels = dm.normalize(images.to(device)), labels.to(device)
+        logits = model(images).float()
+        loss += F.cross_entropy(logits, labels, reduction="sum").item()
+        best = logits.topk(min(5, c), dim=1).indices
+        top1 += (best[:, 0] == labels).sum().item()
+        top5 += (best == labels[:, None]).any(dim=1).sum().item()
+        confusion.update(best[:, 0], labels)
+        count += len(labels)
+    matrix = confusion.compute().cpu()
+    per_class = matrix.diag().float() / matrix.sum(dim=1).clamp_min(1)
+    metrics = {
+        "num_images": count, "test_top1": top1 / count, "test_top5": top5 / count, "test_loss": loss / count,
+        "per_class_accuracy": dict(zip(dm.class_names, per_class.tolist(), strict=True)),
+        "most_confused": most_confused(matrix, dm.class_names),
+    }
+    return metrics, matrix
+
+
+def spread_test_images(dm: ImageDataModule, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` uint8 test images and labels evenly spaced through the test set, which is stored sorted by
+    class, so a few images cover every class instead of the first one."""
+    n = len(dm.test_dataset.labels)
+    index = torch.linspace(0, n - 1, min(count, n)).round().long()
+    return dm.test_dataset.images[index], dm.test_dataset.labels[index]
+
+
+def explain_images(model: nn.Module, dm: ImageDataModule, num_images: int, out: Path) -> list[Path]:
+    """For ``num_images`` test images spread over the classes: the attention maps of every layer over the
+    final token set (maps_<i>.npy, (L, H, N, N), as the rollout uses them) and their PNG grid, CBAM gates
+    (cbam_<i>_stage<k>.npy), and one figure per image (image | rollout overlay | CBAM stage maps) titled with
+    the true and predicted class. Returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    images, labels = spread_test_images(dm, num_images)
+    device = next(model.parameters()).device
+    normalised = dm.normalize(images.to(device))
+    found = explain(model, normalised)
+    shown = dm.denormalize(normalised).cpu()
+    predicted = found.logits.argmax(dim=1)
+    written = []
+    for i in range(len(images)):
+        tag = f"{i:03d}"
+        maps = [m[i] for m in found.recording.maps if m.shape[-2:] == found.recording.maps[-1].shape[-2:]]
+        if maps:
+            np.save(out / f"maps_{tag}.npy", torch.stack(maps).numpy())
+            title = f"test image {i}: {dm.class_names[labels[i]]} (attention weights per layer and head)"
+            written += [out / f"maps_{tag}.npy", viz.save(viz.attention_grid_figure(maps, title=title),
+                                                             out / f"maps_{tag}.png")]
+        gates = [g[i, 0] for g in found.recording.cbam]
+        for k, gate in enumerate(gates, start=1):
+            np.save(out / f"cbam_{tag}_stage{k}.npy", gate.numpy())
+            written.append(out / f"cbam_{tag}_stage{k}.npy")
+        fig = viz.explanation_figure(shown[i], true_name=dm.class_names[labels[i]],
+                                     pred_name=dm.class_names[predicted[i]],
+                                     rollout=None if found.rollout is None else found.rollout[i], cbam=gates)
+        written.append(viz.save(fig, out / f"explain_{tag}.png"))
+    return written
+
+
+def run_deletion(model: nn.Module, dm: ImageDataModule, num_images: int, out: Path, *, title: str) -> dict:
+    """Deletion test on ``num_images`` test images spread over the classes; writes deletion.json and
+    deletion.png."""
+    images, labels = spread_test_images(dm, num_images)
+    result = deletion_test(model, dm.normalize(images), labels)
+    write_json(out / "deletion.json", result)
+    viz.save(viz.deletion_figure(result, title=title), out / "deletion.png")
+    return result
+
+
+def evaluate_run(checkpoint: str | Path, out: str | Path, *, data_dir: str | None = None,
+                 batch_size: int = 256, max_test_images: int | None = None, attention_images: int = 0,
+                 deletion_images: int = 0, benchmark: bool = False, precision: str = "32",
+                 device: str | None = None) -> dict:
+    """Everything ``eval.py --checkpoint`` does. Writes into ``out``: metrics.json and confusion_matrix.png;
+    with ``attention_images`` an attention/ folder; with ``deletion_images`` deletion.json/.png; with
+    ``benchmark`` benchmark.json. Returns {"metrics", "deletion", "benchmark"} (None where not asked)."""
+    out = Path(out)
+    model, meta = load_run(checkpoint)
+    model.to(device or "cpu")
+    name = meta["model_name"]
+    dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=max_test_images)
+    metrics, matrix = evaluate(model, dm)
+    metrics = {"model": name, "checkpoint": meta["ckpt_path"], **metrics}
+    write_json(out / "metrics.json", metrics)
+    viz.save(viz.confusion_matrix_figure(matrix, dm.class_names, title=f"{name}: test confusion matrix "
+                                         f"(top-1 {metrics['test_top1']:.3f})"), out / "confusion_matrix.png")
+    report = {"metrics": metrics, "deletion": None, "benchmark": None}
+    if attention_images:
+        explain_images(model, dm, attention_images, out / "attention")
+    if deletion_images:
+        report["deletion"] = run_deletion(model, dm, deletion_images, out, title=f"{name} deletion test")
+    if benchmark:
+        shape = tuple(dm.test_dataset.images.shape[1:])
+        report["benchmark"] = benchmark_model(model, shape, num_classes=dm.num_classes, precision=precision)
+        write_json(out / "benchmark.json", {"model": name, **report["benchmark"]})
+    return report
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: str | None = None,
+                 batch_size: int = 256, deletion_images: int = 64, grid_images: int = 6) -> list[dict]:
+    """Side by side: compare.md, compare.csv (model, params, FLOPs, test top-1, train and inference images/s,
+    deletion AUC of the model's explanation and of random), accuracy_vs_throughput.png, and rollout_grid.png
+    (the same test images' rollouts, or CBAM maps, across models). Reuses each run's summary.json and any
+    metrics.json / benchmark.json / deletion.json found in the run directory; measures only what is missing
+    (inference images/s with few repeats; deletion on ``deletion_images`` seeded test images; test top-1, if
+    neither summary.json nor metrics.json has it, on those same images only)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, heatmaps, grid = [], {}, None
+    for run_dir in map(Path, run_dirs):
+        model, meta = load_run(run_dir)
+        summary = meta["summary"]
+        dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size,
+                             max_test_images=max(deletion_images, grid_images))
+        metrics = _read_json(run_dir / "metrics.json") or {}
+        bench = _read_json(run_dir / "benchmark.json") or {}
+        deletion = _read_json(run_dir / "deletion.json")
+        if deletion is None:
+            images, labels = spread_test_images(dm, deletion_images)
+            deletion = deletion_test(model, dm.normalize(images), labels)
+        shape = tuple(dm.test_dataset.images.shape[1:])
+        inference = bench.get("inference_images_per_s") or measure_inference(model, shape, 256, repeats=3)
+        top1 = summary.get("test_top1", metrics.get("test_top1"))
+        if top1 is None:
+            top1 = evaluate(model, dm)[0]["test_top1"]
+        label = f"{meta['model_name']} ({run_dir.name})" if len(run_dirs) > 1 else meta["model_name"]
+        explained = deletion["explanation"]
+        rows.append({
+            "model": label, "params": summary.get("params"), "flops": summary.get("flops"), "test_top1": top1,
+            "train_images_per_s": summary.get("train_images_per_s"), "inference_images_per_s": inference,
+            "deletion_explanation": explained,
+            "deletion_auc": deletion["auc"].get(explained) if explained else None,
+            "deletion_auc_random": deletion["auc"]["random"],
+        })
+        if grid is None:
+            grid = (*spread_test_images(dm, grid_images), dm)
+        heatmaps[label] = explain(model, grid[2].normalize(grid[0])).heatmap
+    _write_table(rows, out)
+    viz.save(viz.accuracy_throughput_figure([r["model"] for r in rows], [r["test_top1"] for r in rows],
+                                            [r["inference_images_per_s"] for r in rows]),
+             out / "accuracy_vs_throughput.png")
+    images, labels, dm = grid
+    viz.save(viz.rollout_grid_figure(images.float() / 255, heatmaps,
+                                     captions=[dm.class_names[i] for i in labels]), out / "rollout_grid.png")
+    return rows
+
+
+def _write_table(rows: list[dict], out: Path) -> None:
+    columns = list(rows[0])
+    with (out / "compare.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
+    note = ("\nAccuracies are fractions of the test set. Deletion AUC: area under top-1 vs fraction of 8x8 "
+            "patches blanked, most important first (lower = more faithful explanation).\n")
+    (out / "compare.md").write_text("\n".join(lines) + "\n" + note)

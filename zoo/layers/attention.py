@@ -1,0 +1,235 @@
+"""Multi-head attention, the block every model in the zoo is made of (Vaswani et al. 2017,
+https://arxiv.org/abs/1706.03762).
+
+One module, several interchangeable backends that compute the same function:
+
+- ``sdpa``: ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels where torch has them);
+- ``math``: explicit scores and softmax, the reference, and the one that returns weights;
+- ``chunked``: queries in chunks of ``chunk_size``, never more than chunk x M scores alive; in training
+  each chunk is recomputed in backward (activation checkpointing), so memory stays linear in N there too;
+- ``linear``: kernel attention with the elu+1 feature map (Katharopoulos et al. 2020,
+  https://arxiv.org/abs/2006.16236), linear in N. An *approximation*: it does not equal softmax attention.
+
+Masks follow ``F.scaled_dot_product_attention``: bool means True = may attend, float is added to the scores;
+either broadcasts to (B, H, N, M). A query that may attend no key gets attention output 0 (so the module
+returns ``proj.bias``, as ``torch.nn.MultiheadAttention`` does), never NaN.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .backends import Masking, attend
+from .position import RelativePositionBias2D
+
+BACKENDS = ("auto", "sdpa", "math", "chunked", "linear")
+_AUTO = ContextVar("zoo_attention_auto_backend", default="sdpa")
+
+
+def _check_backend(name, allowed=BACKENDS[1:]) -> str:
+    if name not in allowed:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {allowed}")
+    return name
+
+
+@contextmanager
+def attention_backend(name: str):
+    """Run a block of code with ``backend="auto"`` meaning ``name``::
+
+        with zoo.attention_backend("chunked"):
+            model(images)   # every MultiHeadAttention built with backend="auto" runs chunked here
+
+    Modules built with an explicit backend keep it. The setting is a ``contextvars.ContextVar``, so it is
+    local to the block (and to the thread or task that entered it) and restored on exit, also on error."""
+    token = _AUTO.set(_check_backend(name))
+    try:
+        yield name
+    finally:
+        _AUTO.reset(token)
+
+
+def set_backend(name: str) -> str:
+    """What ``backend="auto"`` means from now on in the current context; returns the old value. Prefer the
+    ``attention_backend`` context manager, which restores the old value by itself."""
+    old = _AUTO.get()
+    _AUTO.set(_check_backend(name))
+    return old
+
+
+def get_backend() -> str:
+    """What ``backend="auto"`` currently means (``"sdpa"`` unless an ``attention_backend`` block says else)."""
+    return _AUTO.get()
+
+
+class KVCache:
+    """Keys and values (B, H, T, head_dim) of the steps decoded so far, for incremental causal attention."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[-2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add new keys/values along the sequence axis and return all of them."""
+        if self.k is not None and (self.k.shape[:2] != k.shape[:2] or self.k.shape[-1] != k.shape[-1]):
+            raise ValueError(f"KV cache holds (B, H, T, D) = {tuple(self.k.shape)}, "
+                             f"new keys are {tuple(k.shape)}")
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)
+        return self.k, self.v
+
+    def reset(self) -> None:
+        self.k = self.v = None
+
+
+def _check_rank3(name: str, t, width: int, width_name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor of shape (B, N, {width_name}={width}), "
+                         f"got {type(t).__name__}")
+    if t.dim() != 3 or t.shape[-1] != width:
+        raise ValueError(f"{name} must have shape (B, N, {width_name}={width}), got {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _check_mask(mask, b: int, h: int, n: int, m: int, device) -> torch.Tensor:
+    expected = ("a bool (True = may attend) or float (added) tensor broadcastable to "
+                f"(B, H, N, M) = {(b, h, n, m)}")
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"mask must be {expected}, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(f"mask must be {expected}, got dtype {mask.dtype}")
+    full = (b, h, n, m)
+    if not 2 <= mask.dim() <= 4 or any(s not in (1, t) for s, t in zip(mask.shape, full[-mask.dim():],
+                                                                         strict=True)):
+        raise ValueError(f"mask must be {expected}, got shape {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but the input is on {device}; "
+                         "move it with mask.to(x.device)")
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return mask
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (self- or cross-) attention over tokens (B, N, dim).
+
+    Args:
+        dim: token width; must be divisible by ``num_heads``.
+        num_heads: number of heads; head_dim = dim // num_heads.
+        context_dim: width of the context for cross-attention. None: the module has one fused
+            ``qkv = Linear(dim, 3 * dim)`` laid out as (3, heads, head_dim), as timm's ``Attention.qkv`` and
+            ``nn.MultiheadAttention.in_proj_weight``; it still accepts a context of width ``dim``.
+            Given: ``q = Linear(dim, dim)`` and ``kv = Linear(context_dim, 2 * dim)`` laid out as
+            (2, heads, head_dim).
+        qkv_bias: bias on the input projections.
+        attn_drop, proj_drop: dropout on the attention probabilities and on the output.
+        backend: "auto" | "sdpa" | "math" | "chunked" | "linear". Public attribute, read at every forward.
+        rel_pos_grid: (gh, gw) turns on a learned 2D relative position bias over the last gh * gw tokens.
+        num_prefix_tokens: leading tokens (class token) that get no relative bias.
+        chunk_size: query rows per chunk for the chunked backend.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, *, context_dim: int | None = None, qkv_bias: bool = True,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, backend: str = "auto",
+                 rel_pos_grid: tuple[int, int] | None = None, num_prefix_tokens: int = 0,
+                 chunk_size: int = 256):
+        super().__init__()
+        if num_heads < 1 or dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.context_dim = context_dim
+        self.backend = backend
+        self.chunk_size = chunk_size
+        self.attn_drop = attn_drop
+        if context_dim is None:
+            self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        else:
+            self.q = nn.Linear(dim, dim, bias=qkv_bias)
+            self.kv = nn.Linear(context_dim, 2 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.rel_pos_bias = (RelativePositionBias2D(num_heads, rel_pos_grid, num_prefix_tokens)
+                             if rel_pos_grid is not None else None)
+        self.weights_hook = None  # set by zoo.record_attention: called with (B, H, N, M) weights
+
+    def resolved_backend(self, need_weights: bool = False) -> str:
+        """The backend a forward would run: "auto" follows ``attention_backend``; weights come from math
+        unless the chosen backend computes them itself (math, chunked, linear)."""
+        backend = _check_backend(_AUTO.get() if self.backend == "auto" else self.backend)
+        return "math" if need_weights and backend == "sdpa" else backend
+
+    def _project(self, x: torch.Tensor, context: torch.Tensor | None):
+        """q: (B, H, N, D); k, v: (B, H, M, D)."""
+        if context is None:
+            q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.num_heads)
+            return q, k, v
+        if self.context_dim is None:  # cross-attention through the fused weights, as nn.MultiheadAttention
+            sizes = [self.dim, 2 * self.dim]
+            w_q, w_kv = self.qkv.weight.split(sizes)
+            b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split(sizes)
+            q, kv = F.linear(x, w_q, b_q), F.linear(context, w_kv, b_kv)
+        else:
+            q, kv = self.q(x), self.kv(context)
+        q = rearrange(q, "b n (h d) -> b h n d", h=self.num_heads)
+        k, v = rearrange(kv, "b m (two h d) -> two b h m d", two=2, h=self.num_heads)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
+                mask: torch.Tensor | None = None, is_causal: bool = False, need_weights: bool = False,
+                kv_cache: KVCache | None = None):
+        """x: (B, N, dim); context: (B, M, context_dim or dim) or None (self-attention).
+        mask: bool (True = may attend) or float (added), broadcastable to (B, H, N, M).
+        is_causal: query i sees keys j <= i + M - N (bottom-right aligned when a KV cache makes M > N).
+        Returns out (B, N, dim), or (out, weights (B, H, N, M)) with need_weights."""
+        _check_rank3("x", x, self.dim, "dim")
+        if context is not None:
+            _check_rank3("context", context, self.context_dim or self.dim, "context_dim")
+            if context.shape[0] != x.shape[0]:
+                raise ValueError(f"context batch {context.shape[0]} != x batch {x.shape[0]}")
+            if kv_cache is not None:
+                raise ValueError("kv_cache is for causal self-attention; pass no context with it")
+        elif self.context_dim is not None:
+            raise ValueError(f"this module was built for cross-attention (context_dim={self.context_dim}): "
+                             "pass a context")
+        q, k, v = self._project(x, context)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)
+        b, h, n, _ = q.shape
+        m = k.shape[-2]
+        if mask is not None:
+            mask = _check_mask(mask, b, h, n, m, x.device)
+        rel_bias = None
+        if self.rel_pos_bias is not None:
+            if not n == m == self.rel_pos_bias.num_tokens:
+                raise ValueError(f"relative position bias over grid {self.rel_pos_bias.grid} with "
+                                 f"{self.rel_pos_bias.num_prefix_tokens} prefix tokens needs N == M == "
+                                 f"{self.rel_pos_bias.num_tokens} tokens, got N={n}, M={m}")
+            rel_bias = self.rel_pos_bias()
+        masking = Masking(mask, is_causal, rel_bias, n, m)
+        want_weights = need_weights or self.weights_hook is not None
+        out, weights = self._attend(q, k, v, masking, want_weights)
+        if self.weights_hook is not None:
+            self.weights_hook(weights)
+        out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
+        return (out, weights) if need_weights else out
+
+    def _attend(self, q, k, v, masking: Masking, need_weights: bool):
+        backend = self.resolved_backend(need_weights)
+        dropout_p = self.attn_drop if self.training else 0.0
+        return attend(backend, q, k, v, masking, dropout_p, need_weights, self.chunk_size)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, backend={self.backend!r}"

@@ -1,0 +1,92 @@
+"""Reading trained weights back without Lightning: ``load_run`` rebuilds a trained model from a run directory
+or a checkpoint written by ``train.py``; ``load_pretrained`` copies matching weights from a zoo checkpoint or a
+timm state_dict, resampling the position embedding. Only torch is needed to read a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .registry import create_model
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """torch.load a Lightning checkpoint on CPU; missing / truncated / foreign -> ValueError (one line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError / UnpicklingError / EOFError / zipfile errors
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint (truncated or corrupt?): "
+                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint dict")
+    return ckpt
+
+
+def _zoo_checkpoint(path: Path) -> dict:
+    ckpt = load_checkpoint(path)
+    hparams = ckpt.get("hyper_parameters", {})
+    if "state_dict" not in ckpt or "model_name" not in hparams:
+        raise ValueError(f"{path} is not a zoo training checkpoint (no state_dict / model_name)")
+    return ckpt
+
+
+def _model_state(ckpt: dict) -> dict[str, torch.Tensor]:
+    """The wrapped model's weights from an ImageClassifier checkpoint (prefix ``model.`` stripped)."""
+    return {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+
+
+def load_run(path: str | Path) -> tuple[nn.Module, dict]:
+    """``(model in eval mode on CPU, meta)`` from a run directory (best.ckpt preferred, else last.ckpt) or a
+    .ckpt path. ``meta``: {"summary": summary.json or {}, "config": config.yaml or {}, "ckpt_path",
+    "model_name", "model_args", "num_classes", "global_step", "epoch"}. Missing / truncated / foreign
+    checkpoints -> ValueError."""
+    import yaml
+
+    path = Path(path)
+    if path.is_dir():
+        ckpts = [path / "checkpoints" / name for name in ("best.ckpt", "last.ckpt")]
+        ckpt_path = next((p for p in ckpts if p.is_file()), None)
+        if ckpt_path is None:
+            raise ValueError(f"{path} holds no checkpoints/best.ckpt or checkpoints/last.ckpt; expected a "
+                             "run directory written by train.py or a .ckpt file")
+        run_dir = path
+    else:
+        ckpt_path, run_dir = path, path.parent.parent
+    ckpt = _zoo_checkpoint(ckpt_path)
+    hp = ckpt["hyper_parameters"]
+    model = create_model(hp["model_name"], num_classes=hp["num_classes"], **(hp.get("model_args") or {}))
+    model.load_state_dict(_model_state(ckpt))
+    model.eval()
+    summary_file, config_file = run_dir / "summary.json", run_dir / "config.yaml"
+    meta = {
+        "summary": json.loads(summary_file.read_text()) if summary_file.is_file() else {},
+        "config": yaml.safe_load(config_file.read_text()) if config_file.is_file() else {},
+        "ckpt_path": str(ckpt_path), "model_name": hp["model_name"],
+        "model_args": dict(hp.get("model_args") or {}),
+        "num_classes": hp["num_classes"], "global_step": ckpt.get("global_step"), "epoch": ckpt.get("epoch"),
+    }
+    return model, meta
+
+
+def load_pretrained(model: nn.Module, path: str | Path) -> list[str]:
+    """Copy into ``model`` every weight of a zoo checkpoint or a timm ViT state_dict file whose name and
+    shape match; a learned ``pos_embed`` of another grid is kept too, since the zoo ViT's load_state_dict
+    resamples it (timm's resample_abs_pos_embed). Returns the names loaded; none matching -> ValueError."""
+    ckpt = load_checkpoint(path)
+    if "state_dict" in ckpt and "hyper_parameters" in ckpt:
+        source = _model_state(ckpt)
+    else:
+        source = ckpt.get("state_dict", ckpt.get("model", ckpt))
+    target = model.state_dict()
+    loaded = {k: v for k, v in source.items() if isinstance(v, torch.Tensor) and k in target
+              and (v.shape == target[k].shape or k == "pos_embed")}
+    if not loaded:
+        raise ValueError(f"--init-from {path}: no weight matches the model by name and shape")
+    model.load_state_dict(loaded, strict=False)
+    return sorted(loaded)

@@ -1,0 +1,117 @@
+"""Training callbacks: ``TimeBudget`` fits the step count and the learning-rate schedule to a wall-clock
+budget (``--max-time``); ``Throughput`` measures training images per second, validation excluded."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning.pytorch as pl
+import torch
+
+from .device import synchronize
+
+
+class TimeBudget(pl.Callback):
+    """Fits the LR schedule to a wall-clock budget and stops training in time for the test.
+
+    After ``measure_steps`` optimizer steps it measures the step time, estimates how many steps fit in what
+    is left of ``budget_s`` once validation (one pass per epoch) and the final test are paid for, and
+    re-fits warm-up + cosine to that; it re-fits after every validation with the measured validation time,
+    and stops training when the fitted step count is reached. Its state travels in checkpoints."""
+
+    def __init__(self, budget_s: float, measure_steps: int = 20, skip_steps: int = 5):
+        self.budget_s, self.measure_steps, self.skip_steps = budget_s, measure_steps, skip_steps
+        self.step_time: float | None = None
+        self.val_time: float | None = None
+        self.total_steps: int | None = None
+        self.elapsed_before = 0.0  # budget spent by earlier (killed) parts of a resumed run
+        self._t0 = self._skip_t = self._val_t = None
+
+    def state_dict(self) -> dict:
+        return {"step_time": self.step_time, "val_time": self.val_time, "total_steps": self.total_steps,
+                "elapsed": self.elapsed()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_time, self.val_time = state["step_time"], state["val_time"]
+        self.total_steps = state["total_steps"]
+        self.elapsed_before = state["elapsed"]
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
+
+    def on_train_start(self, trainer, pl_module):
+        self._t0 = time.perf_counter()
+        self._start_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        done = trainer.global_step - self._start_step
+        if done == self.skip_steps:
+            synchronize(pl_module.device)
+            self._skip_t = time.perf_counter()
+        elif done == self.skip_steps + self.measure_steps and self.step_time is None:
+            synchronize(pl_module.device)
+            self.step_time = (time.perf_counter() - self._skip_t) / self.measure_steps
+            self._refit(trainer, pl_module)
+        if self.total_steps is not None and trainer.global_step >= self.total_steps:
+            trainer.should_stop = True
+
+    def on_validation_start(self, trainer, pl_module):
+        self._val_t = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.sanity_checking or self._val_t is None:
+            return
+        self.val_time = time.perf_counter() - self._val_t
+        if self.step_time is not None:
+            self._refit(trainer, pl_module)
+
+    def _refit(self, trainer, pl_module) -> None:
+        steps_per_epoch = max(trainer.num_training_batches // trainer.accumulate_grad_batches, 1)
+        # before validation was measured: a forward pass costs about a third of a training step
+        val_time = self.val_time if self.val_time is not None else (
+            self.step_time / 3 * _num_batches(trainer.num_val_batches))
+        test_time = val_time * 1.5  # test set is about as large as val; margin for loading best weights
+        left = self.budget_s - self.elapsed() - test_time - val_time
+        more = max(int(left / (self.step_time + val_time / steps_per_epoch)), 1)
+        self.total_steps = trainer.global_step + more
+        pl_module.refit_schedule(self.total_steps)
+
+
+def _num_batches(counts) -> float:
+    counts = counts if isinstance(counts, list) else [counts]
+    return float(sum(c for c in counts if math.isfinite(c)))
+
+
+class Throughput(pl.Callback):
+    """Training images per second over the whole fit, validation time excluded."""
+
+    def __init__(self):
+        self.images = 0
+        self.train_s = 0.0
+        self._t = None
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.images += batch[0].shape[0] * trainer.world_size
+
+    def on_validation_start(self, trainer, pl_module):
+        self._pause(pl_module.device)
+
+    def on_validation_end(self, trainer, pl_module):
+        self._t = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._pause(pl_module.device)
+
+    def _pause(self, device: torch.device):
+        if self._t is not None:
+            synchronize(device)
+            self.train_s += time.perf_counter() - self._t
+            self._t = None
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.train_s if self.train_s > 0 else 0.0

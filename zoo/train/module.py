@@ -1,0 +1,136 @@
+"""The LightningModule of the zoo: ``ImageClassifier`` (label-smoothed cross-entropy, AdamW with linear
+warm-up then cosine decay, torchmetrics top-1 / top-5) and its schedule ``WarmupCosine``. Recipes follow DeiT
+(https://arxiv.org/abs/2012.12877): AdamW, cosine schedule, label smoothing, no weight decay on norms,
+biases, position embeddings and the class token."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from timm.optim import param_groups_weight_decay
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
+
+from ..models import create_model
+
+STAGES = ("train", "val", "test")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a NaN / inf loss; the message names the first bad optimizer step."""
+
+
+class WarmupCosine:
+    """LR multiplier per optimizer step: linear warm-up from 0 over ``warmup_steps``, then cosine decay to
+    ``min_ratio`` at ``total_steps`` (held there after). A callable object, so LambdaLR's state_dict saves
+    its fields and a resumed run continues the same (possibly re-fitted) schedule."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float = 0.0):
+        self.warmup_steps, self.total_steps, self.min_ratio = int(warmup_steps), int(total_steps), min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        span = max(self.total_steps - self.warmup_steps, 1)
+        progress = min((step - self.warmup_steps) / span, 1.0)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class ImageClassifier(pl.LightningModule):
+    """A zoo model trained for classification. Batches are ``(images (B, 3, H, W) float, targets)`` with
+    targets int64 ``(B,)`` or class probabilities ``(B, num_classes)`` (mixup / cutmix).
+
+    Args:
+        model_name / model_args: ``zoo.create_model(model_name, num_classes=num_classes, **model_args)``;
+            saved as hyperparameters so a checkpoint rebuilds its model.
+        warmup_frac: fraction of the optimizer steps spent in linear warm-up.
+        min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
+        nan_check_every: steps between host-side checks of the non-finite-loss flag (every checkpoint
+            checks too, so a NaN model is never saved); ``None`` -> 1 on CPU, 50 on GPU.
+    """
+
+    def __init__(self, model_name: str, model_args: dict | None = None, *, num_classes: int = 10,
+                 lr: float = 1e-3, weight_decay: float = 0.05, warmup_frac: float = 0.05,
+                 min_lr_ratio: float = 0.01, label_smoothing: float = 0.0, channels_last: bool = False,
+                 compile: bool = False, nan_check_every: int | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = create_model(model_name, num_classes=num_classes, **(model_args or {}))
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        if channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        if compile:
+            self.model.compile()
+        top5 = min(5, num_classes)
+        self.metrics = torch.nn.ModuleDict({
+            f"{stage}_acc": MetricCollection({
+                "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
+                "top5": MulticlassAccuracy(num_classes, top_k=top5, average="micro"),
+            }, prefix=f"{stage}/")
+            for stage in STAGES
+        })
+        # first optimizer step whose loss was not finite (-1: none); a device buffer, so no host sync per step
+        self.register_buffer("first_bad_step", torch.tensor(-1, dtype=torch.long), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images.contiguous(memory_format=self.memory_format))
+
+    def _shared_step(self, batch, stage: str) -> torch.Tensor:
+        images, targets = batch
+        logits = self(images)
+        loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.hparams.label_smoothing)
+        labels = targets.argmax(dim=1) if targets.ndim == 2 else targets
+        metrics = self.metrics[f"{stage}_acc"]
+        metrics.update(logits.detach(), labels)
+        self.log(f"{stage}/loss", loss.detach(), on_step=stage == "train", on_epoch=True, prog_bar=True,
+                 sync_dist=stage != "train", batch_size=images.shape[0])
+        self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=stage != "train")
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self._shared_step(batch, "train")
+        bad = ~torch.isfinite(loss.detach()) & (self.first_bad_step < 0)
+        self.first_bad_step = torch.where(bad, torch.tensor(self.global_step, device=loss.device),
+                                          self.first_bad_step)
+        every = self.hparams.nan_check_every or (1 if loss.device.type == "cpu" else 50)
+        if self.global_step % every == 0:
+            self.check_finite()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self._shared_step(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._shared_step(batch, "test")
+
+    def check_finite(self) -> None:
+        """Raise NonFiniteLossError if any loss so far was NaN / inf (one host sync)."""
+        step = int(self.first_bad_step)
+        if step >= 0:
+            raise NonFiniteLossError(
+                f"non-finite training loss at optimizer step {step}; stopped (the last checkpoint written is "
+                "from before it). Lower --lr, add warm-up or use --precision 32")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self.check_finite()  # never write a checkpoint of a model that saw a NaN loss
+        for logger in self.loggers:
+            logger.save()  # metrics.csv keeps the history up to every checkpoint, even if the run is killed
+
+    def configure_optimizers(self):
+        no_decay = getattr(self.model, "no_weight_decay", lambda: set())()
+        groups = param_groups_weight_decay(self.model, self.hparams.weight_decay,
+                                           no_weight_decay_list=no_decay)
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, fused=self.device.type == "cuda")
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        schedule = WarmupCosine(round(total * self.hparams.warmup_frac), total, self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def refit_schedule(self, total_steps: int) -> None:
+        """Stretch / shrink warm-up + cosine to end at ``total_steps`` (the time budget's estimate)."""
+        schedule = self.lr_schedulers().lr_lambdas[0]
+        schedule.total_steps = max(int(total_steps), self.global_step + 1)
+        schedule.warmup_steps = round(schedule.total_steps * self.hparams.warmup_frac)

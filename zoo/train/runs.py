@@ -1,0 +1,142 @@
+"""Run directories and checkpoint files: ``runs/<model>/<run-id>/`` with config.yaml, metrics.csv,
+checkpoints/{last,best}.ckpt and summary.json; atomic writes (temp file in the same folder, fsync,
+``os.replace``) so a killed run never leaves a torn checkpoint; the CSV logger that keeps a resumed run's
+history. Reading checkpoints back (``load_run``, ``load_pretrained``) is ``zoo.models.checkpoints``."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+from ..atomic import atomic_write
+from ..models.checkpoints import load_checkpoint
+
+RUN_DIR_ENV = "ZOO_RUN_DIR"  # the run directory rank 0 chose, inherited by the processes DDP launches
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    atomic_write(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's TorchCheckpointIO writes through an fsspec transaction whose temp file lives in the
+    system temp dir and is moved (a copy across filesystems, no fsync): not atomic. This one is."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO does not take storage_options")
+        atomic_write(path, lambda f: torch.save(checkpoint, f))
+
+
+class _KeepingWriter(ExperimentWriter):
+    """CSV writer that appends to an existing metrics.csv (Lightning's deletes it), dropping rows logged
+    after the checkpoint a resumed run restarts from (they will be logged again)."""
+
+    def __init__(self, log_dir: str, resume_step: int | None):
+        self._resume_step = resume_step
+        super().__init__(log_dir)
+
+    def _check_log_dir_exists(self) -> None:
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            keys, rows = list(reader.fieldnames or []), list(reader)
+        if self._resume_step is not None:
+            rows = [r for r in rows if r.get("step") and int(float(r["step"])) < self._resume_step]
+        self.metrics_keys = keys
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write(path, lambda f: f.write(text.getvalue().encode()))
+
+
+class ResumableCSVLogger(CSVLogger):
+    """CSVLogger writing ``run_dir/metrics.csv`` (run_dir = OUT/<model>/<run-id>); a resumed run keeps the
+    history logged before its checkpoint."""
+
+    def __init__(self, run_dir: str | Path, resume_from: str | Path | None = None):
+        run_dir = Path(run_dir)
+        super().__init__(run_dir.parent.parent, name=run_dir.parent.name, version=run_dir.name)
+        self._resume_step = checkpoint_step(resume_from) if resume_from else None
+
+    @property
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._experiment = _KeepingWriter(self.log_dir, self._resume_step)
+        return self._experiment
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The global step a Lightning checkpoint was saved at."""
+    return int(load_checkpoint(path).get("global_step", 0))
+
+
+def new_run_id() -> str:
+    """Timestamp plus a short random suffix, e.g. ``20250101-120000-3fa2``."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def _latest_resumable(model_dir: Path) -> Path | None:
+    """The newest run directory under ``model_dir`` holding checkpoints/last.ckpt."""
+    runs = sorted((p for p in model_dir.glob("*/checkpoints/last.ckpt")), key=lambda p: p.stat().st_mtime)
+    return runs[-1].parent.parent if runs else None
+
+
+def prepare_run_dir(cfg: dict) -> tuple[Path, Path | None]:
+    """Choose (and on rank 0 create) the run directory and the checkpoint to resume from.
+
+    ``cfg["resume"]``: None -> a new run; ``"auto"`` -> the newest run of this model under ``cfg["out"]``
+    with a last.ckpt (a new run if there is none); a run directory or a .ckpt path -> that run.
+    Processes launched by DDP inherit the choice through the ``ZOO_RUN_DIR`` environment variable, so a
+    DDP run leaves exactly one run directory."""
+    out = Path(cfg["out"])
+    model_dir = out / cfg["model"]
+    inherited = os.environ.get(RUN_DIR_ENV) if os.environ.get("LOCAL_RANK", "0") != "0" else None
+    resume = cfg["resume"]
+    ckpt: Path | None = None
+    if inherited:
+        run_dir = Path(inherited)
+        last = run_dir / "checkpoints" / "last.ckpt"
+        ckpt = last if resume and last.is_file() else None
+    elif resume == "auto":
+        run_dir = _latest_resumable(model_dir)
+        ckpt = run_dir / "checkpoints" / "last.ckpt" if run_dir else None
+    elif resume:
+        target = Path(resume)
+        if target.is_dir():
+            run_dir, ckpt = target, target / "checkpoints" / "last.ckpt"
+        else:
+            run_dir, ckpt = target.parent.parent, target
+        if not ckpt.is_file():
+            raise ValueError(f"--resume {resume}: no checkpoint at {ckpt}; pass a run directory holding "
+                             "checkpoints/last.ckpt, a .ckpt file or 'auto'")
+        load_checkpoint(ckpt)  # a truncated / foreign file fails here with one line
+    else:
+        run_dir = None
+    if run_dir is None:
+        run_dir = model_dir / new_run_id()
+    try:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"cannot write the run directory {run_dir} (--out {out}): {err.strerror}") from None
+    os.environ[RUN_DIR_ENV] = str(run_dir)
+    from .recipe import dump
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        atomic_write(run_dir / "config.yaml", lambda f: f.write(dump(cfg).encode()))
+    return run_dir, ckpt
