@@ -1,70 +1,91 @@
-"""A hybrid CNN-attention classifier for small images: a convolutional stem with CBAM (Woo et al. 2018,
-https://arxiv.org/abs/1807.06521) takes the image to a grid 4x smaller (32x32 -> 8x8), and pre-norm
-transformer blocks of ``zoo.MultiHeadAttention`` with a learned 2D relative position bias (Swin,
-https://arxiv.org/abs/2103.14030) attend over the grid's tokens; a global average pool feeds the head.
+"""A hybrid CNN-attention classifier for small images: a convolutional stem in the manner of airbench
+(Jordan 2024, https://arxiv.org/abs/2404.00498: a patch-whitening first conv computed from the training data,
+then conv groups of conv-pool-BN-GELU-conv-BN-GELU) with a CBAM after each group (Woo et al. 2018,
+https://arxiv.org/abs/1807.06521) takes a 32x32 image to an 8x8 grid, and pre-norm transformer blocks of
+``zoo.MultiHeadAttention`` with a learned 2D relative position bias (Swin, https://arxiv.org/abs/2103.14030)
+attend over the grid's tokens; a global average pool feeds the head.
 
 Prior art: CCT (Hassani et al. 2021, https://arxiv.org/abs/2104.05704) for a conv tokenizer instead of
 patches on CIFAR; CoAtNet (Dai et al. 2021, https://arxiv.org/abs/2106.04803) and BoTNet
 (Srinivas et al. 2021, https://arxiv.org/abs/2101.11605) for convolutions first, relative attention on the
 small late grid. The convolutions give locality and translation equivariance, so the model needs no
-absolute position embedding and learns from far fewer images than a ViT: the point is accuracy per FLOP
-and per second of CPU training (see the entry points for sizes and measured throughput).
+absolute position embedding and learns from far fewer images than a ViT: the point is accuracy per second
+of CPU training (see the entry points for sizes and BENCHMARKS.md for the measurements that chose them).
 """
 
 from __future__ import annotations
 
 import torch
 from einops import rearrange
-from timm.layers import ConvNormAct, calculate_drop_path_rates, to_2tuple, trunc_normal_
+from timm.layers import calculate_drop_path_rates, to_2tuple, trunc_normal_
 from torch import nn
 
 from ..layers.attention import MultiHeadAttention
 from ..layers.cbam import CBAM
+from ..layers.whitening import PatchWhitening
 from .inputs import check_images
 from .registry import register_model
 from .vit import Block, LayerNormEps6
 
-__all__ = ["HybridNet", "hybrid_small", "hybrid_tiny"]
+__all__ = ["ConvGroup", "HybridNet", "hybrid_small", "hybrid_tiny"]
+
+
+class ConvGroup(nn.Sequential):
+    """airbench's conv group, halving the resolution: 3x3 conv, 2x2 max-pool, BN, GELU, 3x3 conv, BN, GELU,
+    then a CBAM. (B, in_chs, H, W) -> (B, out_chs, H // 2, W // 2)."""
+
+    def __init__(self, in_chs: int, out_chs: int, cbam_reduction: int = 16):
+        super().__init__(
+            nn.Conv2d(in_chs, out_chs, 3, padding=1, bias=False),
+            nn.MaxPool2d(2),
+            nn.BatchNorm2d(out_chs),
+            nn.GELU(),
+            nn.Conv2d(out_chs, out_chs, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out_chs),
+            nn.GELU(),
+            CBAM(out_chs, reduction=cbam_reduction),
+        )
 
 
 class HybridNet(nn.Module):
-    """Conv stem with CBAM to a (H/4, W/4) grid, transformer blocks with 2D relative position bias, avg pool.
+    """Whitening conv stem with CBAM to a (H / 2^g, W / 2^g) grid for g conv groups, transformer blocks with
+    2D relative position bias, avg pool.
 
-    The stem: 3x3 conv-BN-ReLU ``in_chans -> stem_chs[0]`` stride 2; 3x3 conv-BN-ReLU ``-> stem_chs[1]``,
-    CBAM; 3x3 conv-BN-ReLU ``-> embed_dim`` stride 2, CBAM. Its (B, embed_dim, gh, gw) output is read
-    row-major as gh * gw tokens for ``depth`` ``vit.Block``s (``attn_layer``, by default
-    ``zoo.MultiHeadAttention`` with ``rel_pos_grid=(gh, gw)``), then LayerNorm, mean over tokens, head.
+    The stem: ``PatchWhitening`` (2x2 patches, right/bottom padded so the size is kept) and GELU, then one
+    ``ConvGroup`` per width in ``(*stem_chs, embed_dim)``. Its (B, embed_dim, gh, gw) output is read row-major
+    as gh * gw tokens for ``depth`` ``vit.Block``s (``attn_layer``, by default ``zoo.MultiHeadAttention`` with
+    ``rel_pos_grid=(gh, gw)``), then LayerNorm, mean over tokens, head. Call ``stem[0].fit(images)`` (the
+    training pipeline does) to compute the whitening filters from training images.
 
     Args:
-        img_size: int or (h, w); each side must be a positive multiple of 4 (grid = img_size // 4).
-            Inputs must have exactly this size (the relative bias is built for that grid).
+        img_size: int or (h, w); each side a positive multiple of 2^g (g = len(stem_chs) + 1). Inputs must
+            have exactly this size (the relative bias is built for that grid).
         num_classes: 0 -> ``forward`` returns pooled features (B, embed_dim).
-        stem_chs: widths of the first two stem convs.
+        stem_chs: widths of the conv groups before the last (whose width is ``embed_dim``).
         drop_path_rate: stochastic depth, rising linearly from 0 at the first block to this at the last.
-        backend: attention backend of every block ("auto", "sdpa", "math", "chunked", "linear"; the
-            linear one has no relative bias and raises).
+        backend: attention backend of every block ("auto", "sdpa", "math", "chunked"; "linear" has no
+            relative bias and raises).
     """
 
     def __init__(self, img_size: int | tuple[int, int] = 32, in_chans: int = 3, num_classes: int = 10, *,
-                 stem_chs: tuple[int, int] = (32, 64), embed_dim: int = 128, depth: int = 3,
-                 num_heads: int = 4, mlp_ratio: float = 2.0, qkv_bias: bool = True, drop_rate: float = 0.0,
+                 stem_chs: tuple[int, ...] = (64,), embed_dim: int = 128, depth: int = 2, num_heads: int = 4,
+                 mlp_ratio: float = 2.0, qkv_bias: bool = True, drop_rate: float = 0.0,
                  drop_path_rate: float = 0.0, attn_layer=MultiHeadAttention, backend: str = "auto"):
         super().__init__()
         self.img_size = to_2tuple(img_size)
-        if any(not isinstance(s, int) or s < 4 or s % 4 for s in self.img_size):
-            raise ValueError(f"img_size must be a positive multiple of 4 (the stem downsamples by 4 to the "
-                             f"attention grid), got {img_size}")
-        self.grid_size = (self.img_size[0] // 4, self.img_size[1] // 4)
+        stride = 2 ** (len(stem_chs) + 1)
+        if any(not isinstance(s, int) or s < stride or s % stride for s in self.img_size):
+            raise ValueError(f"img_size must be a positive multiple of {stride} (the stem halves it "
+                             f"{len(stem_chs) + 1} times to the attention grid), got {img_size}")
+        self.grid_size = (self.img_size[0] // stride, self.img_size[1] // stride)
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_features = self.embed_dim = embed_dim
+        whiten = PatchWhitening(in_chans, kernel_size=2)
+        widths = (whiten.out_chans, *stem_chs, embed_dim)
         self.stem = nn.Sequential(
-            ConvNormAct(in_chans, stem_chs[0], 3, stride=2),
-            ConvNormAct(stem_chs[0], stem_chs[1], 3),
-            CBAM(stem_chs[1]),
-            ConvNormAct(stem_chs[1], embed_dim, 3, stride=2),
-            CBAM(embed_dim),
-        )
+            whiten, nn.ZeroPad2d((0, 1, 0, 1)), nn.GELU(),
+            *[ConvGroup(w_in, w_out) for w_in, w_out in zip(widths[:-1], widths[1:], strict=True)])
         attn_kwargs = dict(rel_pos_grid=self.grid_size, backend=backend)
         self.blocks = nn.Sequential(*[
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=rate, attn_layer=attn_layer,
@@ -115,18 +136,16 @@ class HybridNet(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-@register_model(first_conv="stem.0.conv", classifier="head")
+@register_model(first_conv="stem.0", classifier="head")
 def hybrid_tiny(**kwargs) -> HybridNet:
-    """Stem 32-64-128 channels to the 8x8 grid, 3 blocks of width 128, 4 heads, MLP ratio 2: 0.5M
-    parameters, 0.08 GFLOPs per 32x32 image; ~230 training img/s on one CPU core (batch 128, fp32,
-    AdamW), 3.5x timm's ViT of width 192, depth 6, patch 4 measured the same way."""
-    return HybridNet(**{**dict(stem_chs=(32, 64), embed_dim=128, depth=3, num_heads=4, mlp_ratio=2.0),
-                        **kwargs})
+    """Whitening stem, conv groups of width 64 and 128 (each with CBAM) to the 8x8 grid, 2 blocks of width 128,
+    4 heads, MLP ratio 2: 0.54M parameters, 0.14 GFLOPs per 32x32 image. Chosen for test accuracy after 10
+    minutes of 2-core CPU training (BENCHMARKS.md)."""
+    return HybridNet(**{**dict(stem_chs=(64,), embed_dim=128, depth=2, num_heads=4, mlp_ratio=2.0), **kwargs})
 
 
-@register_model(first_conv="stem.0.conv", classifier="head")
+@register_model(first_conv="stem.0", classifier="head")
 def hybrid_small(**kwargs) -> HybridNet:
-    """Stem 48-96-192 channels to the 8x8 grid, 4 blocks of width 192, 6 heads, MLP ratio 2: 1.4M
-    parameters, 0.21 GFLOPs per 32x32 image; ~95 training img/s on one CPU core (batch 128, fp32, AdamW)."""
-    return HybridNet(**{**dict(stem_chs=(48, 96), embed_dim=192, depth=4, num_heads=6, mlp_ratio=2.0),
-                        **kwargs})
+    """Whitening stem, conv groups of width 96 and 192 (each with CBAM) to the 8x8 grid, 3 blocks of width 192,
+    6 heads, MLP ratio 2: 1.6M parameters, 0.31 GFLOPs per 32x32 image."""
+    return HybridNet(**{**dict(stem_chs=(96,), embed_dim=192, depth=3, num_heads=6, mlp_ratio=2.0), **kwargs})

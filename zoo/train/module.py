@@ -1,42 +1,29 @@
-"""The LightningModule of the zoo: ``ImageClassifier`` (label-smoothed cross-entropy, AdamW with linear
-warm-up then cosine decay, torchmetrics top-1 / top-5) and its schedule ``WarmupCosine``. Recipes follow DeiT
-(https://arxiv.org/abs/2012.12877): AdamW, cosine schedule, label smoothing, no weight decay on norms,
-biases, position embeddings and the class token."""
+"""The LightningModule of the zoo: ``ImageClassifier`` (label-smoothed cross-entropy, AdamW or Nesterov SGD
+with linear warm-up then cosine or linear decay, torchmetrics top-1 / top-5, test-time augmentation in
+validation and test, patch-whitening filters computed from the training images when the model has them).
+Recipes follow DeiT (https://arxiv.org/abs/2012.12877) and airbench (https://arxiv.org/abs/2404.00498): no
+weight decay on norms, biases, position embeddings and the class token, label smoothing."""
 
 from __future__ import annotations
-
-import math
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from timm.optim import param_groups_weight_decay
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from ..layers.whitening import PatchWhitening
 from ..models import create_model
+from .optim import WarmupCosine, WarmupDecay, build_optimizer, param_groups
+from .tta import tta_logits
+
+__all__ = ["ImageClassifier", "NonFiniteLossError", "WarmupCosine", "WarmupDecay"]
 
 STAGES = ("train", "val", "test")
 
 
 class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN / inf loss; the message names the first bad optimizer step."""
-
-
-class WarmupCosine:
-    """LR multiplier per optimizer step: linear warm-up from 0 over ``warmup_steps``, then cosine decay to
-    ``min_ratio`` at ``total_steps`` (held there after). A callable object, so LambdaLR's state_dict saves
-    its fields and a resumed run continues the same (possibly re-fitted) schedule."""
-
-    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float = 0.0):
-        self.warmup_steps, self.total_steps, self.min_ratio = int(warmup_steps), int(total_steps), min_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        span = max(self.total_steps - self.warmup_steps, 1)
-        progress = min((step - self.warmup_steps) / span, 1.0)
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class ImageClassifier(pl.LightningModule):
@@ -47,7 +34,12 @@ class ImageClassifier(pl.LightningModule):
         model_name / model_args: ``zoo.create_model(model_name, num_classes=num_classes, **model_args)``;
             saved as hyperparameters so a checkpoint rebuilds its model.
         warmup_frac: fraction of the optimizer steps spent in linear warm-up.
-        min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
+        min_lr_ratio: the decay ends at ``lr * min_lr_ratio``.
+        optimizer: "adamw" or "sgd" (Nesterov, ``momentum``); ``no_decay_lr_scale`` multiplies the rate of
+            norms, biases and the model's ``no_weight_decay()`` parameters.
+        schedule: "cosine" or "linear" decay after the warm-up.
+        tta: test-time augmentation level of validation and test (``zoo.train.tta``: 0 none, 1 mirror,
+            2 mirror + 1-pixel translations).
         nan_check_every: steps between host-side checks of the non-finite-loss flag (every checkpoint
             checks too, so a NaN model is never saved); ``None`` -> 1 on CPU, 50 on GPU.
     """
@@ -55,7 +47,8 @@ class ImageClassifier(pl.LightningModule):
     def __init__(self, model_name: str, model_args: dict | None = None, *, num_classes: int = 10,
                  lr: float = 1e-3, weight_decay: float = 0.05, warmup_frac: float = 0.05,
                  min_lr_ratio: float = 0.01, label_smoothing: float = 0.0, channels_last: bool = False,
-                 compile: bool = False, nan_check_every: int | None = None):
+                 compile: bool = False, nan_check_every: int | None = None, optimizer: str = "adamw",
+                 momentum: float = 0.9, no_decay_lr_scale: float = 1.0, schedule: str = "cosine", tta: int = 0):
         super().__init__()
         self.save_hyperparameters()
         self.model = create_model(model_name, num_classes=num_classes, **(model_args or {}))
@@ -80,7 +73,7 @@ class ImageClassifier(pl.LightningModule):
 
     def _shared_step(self, batch, stage: str) -> torch.Tensor:
         images, targets = batch
-        logits = self(images)
+        logits = self(images) if stage == "train" else tta_logits(self, images, self.hparams.tta)
         loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.hparams.label_smoothing)
         labels = targets.argmax(dim=1) if targets.ndim == 2 else targets
         metrics = self.metrics[f"{stage}_acc"]
@@ -119,13 +112,22 @@ class ImageClassifier(pl.LightningModule):
         for logger in self.loggers:
             logger.save()  # metrics.csv keeps the history up to every checkpoint, even if the run is killed
 
+    @torch.no_grad()
+    def fit_whitening(self, images: torch.Tensor) -> int:
+        """Compute every ``PatchWhitening`` filter of the model from (N, C, H, W) normalised training images
+        (such layers sit at the model's input). Returns how many layers were fitted."""
+        layers = [m for m in self.model.modules() if isinstance(m, PatchWhitening)]
+        for layer in layers:
+            layer.fit(images.to(layer.weight.device))
+        return len(layers)
+
     def configure_optimizers(self):
-        no_decay = getattr(self.model, "no_weight_decay", lambda: set())()
-        groups = param_groups_weight_decay(self.model, self.hparams.weight_decay,
-                                           no_weight_decay_list=no_decay)
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, fused=self.device.type == "cuda")
+        hp = self.hparams
+        groups = param_groups(self.model, hp.lr, hp.weight_decay, hp.no_decay_lr_scale)
+        optimizer = build_optimizer(hp.optimizer, groups, hp.lr, momentum=hp.momentum,
+                                    fused=self.device.type == "cuda")
         total = max(int(self.trainer.estimated_stepping_batches), 1)
-        schedule = WarmupCosine(round(total * self.hparams.warmup_frac), total, self.hparams.min_lr_ratio)
+        schedule = WarmupDecay(round(total * hp.warmup_frac), total, hp.min_lr_ratio, hp.schedule)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
