@@ -1,0 +1,74 @@
+"""Recipe pieces against hand formulas: the warm-up + linear / cosine schedule, the parameter groups and their
+learning-rate scale, the optimisers, the EMA's warm-up decay, and airbench's test-time augmentation written
+out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zoo
+from zoo.train.optim import WarmupDecay, build_optimizer, ema_avg_fn, param_groups
+from zoo.train.tta import tta_logits
+
+
+def test_linear_and_cosine_schedules():
+    linear = WarmupDecay(10, 110, min_ratio=0.0, shape="linear")
+    cosine = WarmupDecay(10, 110, min_ratio=0.1, shape="cosine")
+    assert linear(0) == pytest.approx(1 / 11) and linear(9) == pytest.approx(10 / 11)
+    assert linear(10) == pytest.approx(1.0) and linear(60) == pytest.approx(0.5) and linear(110) == 0.0
+    assert linear(500) == 0.0
+    assert cosine(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        WarmupDecay(1, 10, shape="step")
+
+
+def test_param_groups_split_and_scale():
+    model = zoo.create_model("hybrid_tiny")
+    groups = param_groups(model, lr=0.1, weight_decay=5e-4, no_decay_lr_scale=4.0)
+    by_decay = {g["weight_decay"]: g for g in groups}
+    assert by_decay[5e-4]["lr"] == 0.1 and by_decay[0.0]["lr"] == pytest.approx(0.4)
+    no_decay_ids = {id(p) for p in by_decay[0.0]["params"]}
+    for name, p in model.named_parameters():
+        expected = p.ndim <= 1 or name in model.no_weight_decay()
+        assert (id(p) in no_decay_ids) == expected, name
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+def test_optimizers():
+    weight = nn.Parameter(torch.ones(3))
+    sgd = build_optimizer("sgd", [{"params": [weight], "lr": 0.1}], 0.1, momentum=0.85)
+    assert sgd.param_groups[0]["nesterov"] and sgd.param_groups[0]["momentum"] == 0.85
+    assert isinstance(build_optimizer("adamw", [{"params": [weight]}], 0.1), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        build_optimizer("lion", [{"params": [weight]}], 0.1)
+
+
+def test_ema_decay_warms_up():
+    average = ema_avg_fn(0.99)
+    avg, cur = torch.zeros(2), torch.ones(2)
+    assert torch.allclose(average(avg, cur, 0), torch.full((2,), 1 - 1 / 10))  # decay (1 + 0) / (10 + 0)
+    assert torch.allclose(average(avg, cur, 10_000), torch.full((2,), 0.01))  # capped at 0.99
+    with pytest.raises(ValueError, match=r"ema_decay must lie in \(0, 1\)"):
+        ema_avg_fn(1.0)
+
+
+def test_tta_levels_by_hand():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(5))
+    x = torch.randn(2, 3, 8, 8)
+    model(x)
+    with torch.no_grad():
+        assert torch.equal(tta_logits(model, x, 0), model(x))
+        mirror = 0.5 * (model(x) + model(x.flip(3)))
+        assert torch.allclose(tta_logits(model, x, 1), mirror)
+        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        up_left, down_right = padded[:, :, 0:8, 0:8], padded[:, :, 2:10, 2:10]
+        shifted = [0.5 * (model(s) + model(s.flip(3))) for s in (up_left, down_right)]
+        expected = 0.5 * mirror + 0.25 * (shifted[0] + shifted[1])
+        assert torch.allclose(tta_logits(model, x, 2), expected, atol=1e-6)
+    with pytest.raises(ValueError, match="tta level must be one of"):
+        tta_logits(model, x, 3)
