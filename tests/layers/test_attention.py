@@ -467,6 +467,33 @@ def test_dim_not_divisible_by_heads():
         MultiHeadAttention(10, 3)
 
 
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"dim": 0}, r"dim must be an int >= 1, got 0"),
+    ({"dim": 16.0}, r"dim must be an int >= 1, got 16\.0"),
+    ({"num_heads": 2.0}, r"num_heads must be an int >= 1, got 2\.0"),
+    ({"num_heads": 0}, r"num_heads must be an int >= 1, got 0"),
+    ({"context_dim": 0}, r"context_dim must be an int >= 1, got 0"),
+    ({"chunk_size": 0}, r"chunk_size must be an int >= 1, got 0"),
+    ({"chunk_size": True}, r"chunk_size must be an int >= 1, got True"),
+    ({"attn_drop": 1.5}, r"attn_drop must be a probability in \[0, 1\), got 1\.5"),
+    ({"attn_drop": -0.1}, r"attn_drop must be a probability in \[0, 1\), got -0\.1"),
+    ({"proj_drop": 1.0}, r"proj_drop must be a probability in \[0, 1\), got 1\.0"),
+    ({"proj_drop": "0.1"}, r"proj_drop must be a probability in \[0, 1\), got '0\.1'"),
+    ({"num_prefix_tokens": -1}, r"num_prefix_tokens must be an int >= 0, got -1"),
+    ({"rel_pos_grid": 8}, r"rel_pos_grid must be two positive ints \(gh, gw\), got 8"),
+    ({"rel_pos_grid": (2, 3, 4)}, r"rel_pos_grid must be two positive ints \(gh, gw\), got \(2, 3, 4\)"),
+    ({"rel_pos_grid": (2.0, 3)}, r"rel_pos_grid must be two positive ints \(gh, gw\), got \(2\.0, 3\)"),
+    ({"backend": "flash"}, r"unknown attention backend 'flash'; expected one of \('auto', 'sdpa'"),
+    ({"backend": None}, r"unknown attention backend None; expected one of \('auto', 'sdpa'"),
+], ids=["dim_0", "dim_float", "heads_float", "heads_0", "context_dim_0", "chunk_0", "chunk_bool", "attn_drop_1.5",
+        "attn_drop_negative", "proj_drop_1", "proj_drop_str", "prefix_negative", "grid_int", "grid_triple",
+        "grid_float", "backend_unknown", "backend_none"])
+def test_bad_constructor_argument_raises_value_error_naming_it(kwargs, pattern):
+    args = {"dim": DIM, "num_heads": HEADS, **kwargs}
+    with pytest.raises(ValueError, match=pattern):
+        MultiHeadAttention(args.pop("dim"), args.pop("num_heads"), **args)
+
+
 @pytest.mark.parametrize("call, pattern", [
     (lambda a: a(torch.randn(4, DIM)), r"\(B, N, dim=16\).*\(4, 16\)"),
     (lambda a: a(torch.randn(2, 5, 8)), r"\(B, N, dim=16\).*\(2, 5, 8\)"),
@@ -481,8 +508,10 @@ def test_dim_not_divisible_by_heads():
     (lambda a: a(torch.randn(2, 5, DIM), mask=torch.ones(5, 5, dtype=torch.bool, device="meta")),
      r"meta.*cpu"),
     (lambda a: a(torch.randn(2, 5, DIM), mask=[[True]]), r"got list"),
+    (lambda a: a(torch.randn(2, 5, DIM), is_causal="yes"), r"is_causal must be a bool, got 'yes'"),
+    (lambda a: a(torch.randn(2, 5, DIM), need_weights=1), r"need_weights must be a bool, got 1"),
 ], ids=["rank", "width", "int_input", "context_width", "context_batch", "int_mask", "mask_heads",
-        "mask_rank", "mask_device", "mask_type"])
+        "mask_rank", "mask_device", "mask_type", "is_causal_str", "need_weights_int"])
 def test_bad_input_raises_value_error_naming_expected_and_given(call, pattern):
     with pytest.raises(ValueError, match=pattern):
         call(_module())
