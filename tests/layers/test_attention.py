@@ -5,6 +5,8 @@ forward and backward for every kind of mask."""
 
 from __future__ import annotations
 
+import contextvars
+import threading
 import time
 
 import pytest
@@ -467,6 +469,33 @@ def test_dim_not_divisible_by_heads():
         MultiHeadAttention(10, 3)
 
 
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"dim": 0}, r"dim must be an int >= 1, got 0"),
+    ({"dim": 16.0}, r"dim must be an int >= 1, got 16\.0"),
+    ({"num_heads": 2.0}, r"num_heads must be an int >= 1, got 2\.0"),
+    ({"num_heads": 0}, r"num_heads must be an int >= 1, got 0"),
+    ({"context_dim": 0}, r"context_dim must be an int >= 1, got 0"),
+    ({"chunk_size": 0}, r"chunk_size must be an int >= 1, got 0"),
+    ({"chunk_size": True}, r"chunk_size must be an int >= 1, got True"),
+    ({"attn_drop": 1.5}, r"attn_drop must be a probability in \[0, 1\), got 1\.5"),
+    ({"attn_drop": -0.1}, r"attn_drop must be a probability in \[0, 1\), got -0\.1"),
+    ({"proj_drop": 1.0}, r"proj_drop must be a probability in \[0, 1\), got 1\.0"),
+    ({"proj_drop": "0.1"}, r"proj_drop must be a probability in \[0, 1\), got '0\.1'"),
+    ({"num_prefix_tokens": -1}, r"num_prefix_tokens must be an int >= 0, got -1"),
+    ({"rel_pos_grid": 8}, r"rel_pos_grid must be two positive ints \(gh, gw\), got 8"),
+    ({"rel_pos_grid": (2, 3, 4)}, r"rel_pos_grid must be two positive ints \(gh, gw\), got \(2, 3, 4\)"),
+    ({"rel_pos_grid": (2.0, 3)}, r"rel_pos_grid must be two positive ints \(gh, gw\), got \(2\.0, 3\)"),
+    ({"backend": "flash"}, r"unknown attention backend 'flash'; expected one of \('auto', 'sdpa'"),
+    ({"backend": None}, r"unknown attention backend None; expected one of \('auto', 'sdpa'"),
+], ids=["dim_0", "dim_float", "heads_float", "heads_0", "context_dim_0", "chunk_0", "chunk_bool", "attn_drop_1.5",
+        "attn_drop_negative", "proj_drop_1", "proj_drop_str", "prefix_negative", "grid_int", "grid_triple",
+        "grid_float", "backend_unknown", "backend_none"])
+def test_bad_constructor_argument_raises_value_error_naming_it(kwargs, pattern):
+    args = {"dim": DIM, "num_heads": HEADS, **kwargs}
+    with pytest.raises(ValueError, match=pattern):
+        MultiHeadAttention(args.pop("dim"), args.pop("num_heads"), **args)
+
+
 @pytest.mark.parametrize("call, pattern", [
     (lambda a: a(torch.randn(4, DIM)), r"\(B, N, dim=16\).*\(4, 16\)"),
     (lambda a: a(torch.randn(2, 5, 8)), r"\(B, N, dim=16\).*\(2, 5, 8\)"),
@@ -481,8 +510,10 @@ def test_dim_not_divisible_by_heads():
     (lambda a: a(torch.randn(2, 5, DIM), mask=torch.ones(5, 5, dtype=torch.bool, device="meta")),
      r"meta.*cpu"),
     (lambda a: a(torch.randn(2, 5, DIM), mask=[[True]]), r"got list"),
+    (lambda a: a(torch.randn(2, 5, DIM), is_causal="yes"), r"is_causal must be a bool, got 'yes'"),
+    (lambda a: a(torch.randn(2, 5, DIM), need_weights=1), r"need_weights must be a bool, got 1"),
 ], ids=["rank", "width", "int_input", "context_width", "context_batch", "int_mask", "mask_heads",
-        "mask_rank", "mask_device", "mask_type"])
+        "mask_rank", "mask_device", "mask_type", "is_causal_str", "need_weights_int"])
 def test_bad_input_raises_value_error_naming_expected_and_given(call, pattern):
     with pytest.raises(ValueError, match=pattern):
         call(_module())
@@ -542,23 +573,155 @@ def test_non_contiguous_and_channels_last_inputs(backend):
         torch.testing.assert_close(attn(x, context), attn(x.contiguous(), context.contiguous()))
 
 
-# ---------------------------------------------------------------- process-wide backend switch
+# ---------------------------------------------------------------- what backend="auto" means: zoo.attention_backend
 
 
-def test_set_backend_changes_auto_for_existing_modules(restore_backend):
+def test_attention_backend_changes_auto_for_existing_modules_inside_the_block_only():
     attn = _module("auto")
     x = torch.randn(2, 6, DIM)
-    zoo.set_backend("linear")
-    assert attn.resolved_backend() == "linear"
+    assert attn.resolved_backend() == "sdpa"
     with torch.no_grad():
-        torch.testing.assert_close(attn(x), _reference_linear(attn, x), atol=1e-5, rtol=1e-5)
-        with pytest.raises(ValueError, match="linear backend"):
-            attn(x, mask=torch.randn(6, 6))
-        zoo.set_backend("chunked")
-        assert attn.resolved_backend() == "chunked"
-        torch.testing.assert_close(attn(x), _reference_softmax(attn, x), atol=1e-5, rtol=1e-5)
-    assert zoo.set_backend("sdpa") == "chunked"
+        with zoo.attention_backend("linear") as name:
+            assert name == "linear" and attn.resolved_backend() == "linear" and attn.backend == "auto"
+            torch.testing.assert_close(attn(x), _reference_linear(attn, x), atol=1e-5, rtol=1e-5)
+            with pytest.raises(ValueError, match="linear backend"):
+                attn(x, mask=torch.randn(6, 6))
+        with zoo.attention_backend("chunked"):
+            assert attn.resolved_backend() == "chunked"
+            torch.testing.assert_close(attn(x), _reference_softmax(attn, x), atol=1e-5, rtol=1e-5)
+    assert zoo.get_backend() == "sdpa"
     assert attn.resolved_backend() == "sdpa" and attn.resolved_backend(need_weights=True) == "math"
+
+
+def test_attention_backend_is_restored_after_an_exception():
+    attn = _module("auto")
+    with pytest.raises(RuntimeError, match="raised inside the block"):
+        with zoo.attention_backend("math"):
+            assert attn.resolved_backend() == "math"
+            raise RuntimeError("raised inside the block")
+    assert zoo.get_backend() == attn.resolved_backend() == "sdpa"
+    with pytest.raises(ValueError, match="linear backend"), zoo.attention_backend("linear"):
+        attn(torch.randn(1, 6, DIM), mask=torch.randn(6, 6))  # an error from the forward itself
+    assert attn.resolved_backend() == "sdpa"
+
+
+def test_attention_backend_blocks_nest():
+    attn = _module("auto")
+    with zoo.attention_backend("math"):
+        with zoo.attention_backend("linear"):
+            with zoo.attention_backend("chunked"):
+                assert attn.resolved_backend() == "chunked"
+            assert attn.resolved_backend() == "linear"
+        assert attn.resolved_backend() == "math"
+    assert attn.resolved_backend() == "sdpa"
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_attention_backend_leaves_modules_with_an_explicit_backend_alone(backend):
+    attn = _module(backend)
+    x = torch.randn(2, 6, DIM)
+    with torch.no_grad():
+        expected = attn(x)
+        for auto in ("linear", "math"):
+            with zoo.attention_backend(auto):
+                assert attn.backend == attn.resolved_backend() == backend
+                torch.testing.assert_close(attn(x), expected)
+
+
+def test_attention_backend_refuses_auto_and_unknown_names_and_changes_nothing():
+    for name, pattern in (("auto", r"'auto'.*expected one of \('sdpa'"), ("flash", r"'flash'.*'sdpa'")):
+        with pytest.raises(ValueError, match=pattern), zoo.attention_backend(name):
+            pass
+    assert zoo.get_backend() == "sdpa"
+
+
+def test_attention_backend_is_per_thread():
+    """Two threads inside blocks of their own at the same time each see only their own setting, and a
+    thread started inside a block starts from the default."""
+    attn = _module("auto")
+    x = torch.randn(2, 6, DIM)
+    both_inside = threading.Barrier(2, timeout=30)
+    both_read = threading.Barrier(2, timeout=30)
+    seen, errors = {}, []
+
+    def worker():
+        try:
+            seen["worker_at_start"] = attn.resolved_backend()
+            with zoo.attention_backend("linear"):
+                both_inside.wait()
+                seen["worker"] = attn.resolved_backend()
+                with torch.no_grad():
+                    torch.testing.assert_close(attn(x), _reference_linear(attn, x), atol=1e-5, rtol=1e-5)
+                both_read.wait()
+        except Exception as err:  # re-raised in the main thread below
+            errors.append(err)
+            both_inside.abort()
+            both_read.abort()
+
+    thread = threading.Thread(target=worker)
+    with zoo.attention_backend("chunked"):
+        thread.start()
+        both_inside.wait()
+        seen["main"] = attn.resolved_backend()
+        with torch.no_grad():
+            torch.testing.assert_close(attn(x), _reference_softmax(attn, x), atol=1e-5, rtol=1e-5)
+        both_read.wait()
+    thread.join()
+    assert not errors, errors
+    assert seen == {"worker_at_start": "sdpa", "worker": "linear", "main": "chunked"}
+    assert attn.resolved_backend() == "sdpa"
+
+
+def test_set_backend_and_get_backend_are_thin_wrappers_over_the_same_setting():
+    """The documented wrappers, run in a copied context so nothing they set can reach other tests."""
+    attn = _module("auto")
+    x = torch.randn(2, 6, DIM)
+
+    def script():
+        assert zoo.get_backend() == "sdpa"
+        assert zoo.set_backend("linear") == "sdpa"
+        assert zoo.get_backend() == attn.resolved_backend() == "linear"
+        with torch.no_grad():
+            torch.testing.assert_close(attn(x), _reference_linear(attn, x), atol=1e-5, rtol=1e-5)
+        with zoo.attention_backend("chunked"):
+            assert zoo.get_backend() == "chunked"
+            assert zoo.set_backend("math") == "chunked"
+            assert attn.resolved_backend() == "math"
+        assert zoo.get_backend() == "linear"  # the block's exit undid the set_backend inside it
+        other = threading.Thread(target=lambda: seen.append(zoo.get_backend()))
+        other.start()
+        other.join()
+        assert zoo.set_backend("sdpa") == "linear"
+
+    seen = []
+    contextvars.copy_context().run(script)
+    assert seen == ["sdpa"]  # another thread never sees set_backend
+    assert zoo.get_backend() == attn.resolved_backend() == "sdpa"
+
+
+def test_torch_compile_follows_attention_backend_without_graph_breaks():
+    """A compiled tiny model of backend="auto" modules: dynamo reads the ContextVar when it traces and guards
+    on it (fullgraph: no graph break), so a block with another setting recompiles instead of reusing."""
+    model = nn.Sequential(_module("auto"), nn.LayerNorm(DIM), _module("auto")).eval()
+    x = torch.randn(2, 6, DIM)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        eager_sdpa = model(x)
+        torch.testing.assert_close(compiled(x), eager_sdpa, atol=1e-5, rtol=1e-5)
+        with zoo.attention_backend("linear"):
+            eager_linear = model(x)
+            torch.testing.assert_close(compiled(x), eager_linear, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(eager_linear, eager_sdpa, atol=1e-3)
+        torch.testing.assert_close(compiled(x), eager_sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_export_records_the_backend_in_effect_when_it_traces():
+    attn = _module("auto")
+    x = torch.randn(2, 6, DIM)
+    with zoo.attention_backend("linear"):
+        exported = torch.export.export(attn, (x,)).module()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), _reference_linear(attn, x), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- torch.compile

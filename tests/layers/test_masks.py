@@ -31,8 +31,12 @@ def test_padding_mask_marks_real_tokens():
     torch.testing.assert_close(from_tensor[:, 0, 0], torch.tensor([[True, True, False]]))
 
 
-@pytest.mark.parametrize("lengths, pattern", [([6], r"\[0, 5\].*\[6\]"), ([-1], r"\[0, 5\].*\[-1\]"),
-                                              ([[1, 2]], r"1-D.*\(1, 2\)")])
+@pytest.mark.parametrize("lengths, pattern", [
+    ([6], r"\[0, 5\].*\[6\]"), ([-1], r"\[0, 5\].*\[-1\]"), ([[1, 2]], r"1-D.*\(1, 2\)"),
+    ([2.0, 3.5], r"lengths must be integers.*\[2\.0, 3\.5\] of dtype torch\.float32"),
+    (torch.tensor([2.0]), r"lengths must be integers.*\[2\.0\] of dtype torch\.float32"),
+    ([True, False], r"lengths must be integers.*dtype torch\.bool"),
+], ids=["too_long", "negative", "2d", "float_list", "float_tensor", "bool_list"])
 def test_padding_mask_rejects_bad_lengths(lengths, pattern):
     with pytest.raises(ValueError, match=pattern):
         padding_mask(lengths, 5)

@@ -55,7 +55,12 @@ def test_relative_index_is_swin_layout():
     assert rpb.relative_position_bias_table.shape == ((2 * 3 - 1) * (2 * 4 - 1), 3)
 
 
-@pytest.mark.parametrize("grid", [(0, 3), (2, -1)])
-def test_relative_bias_rejects_empty_grid(grid):
+@pytest.mark.parametrize("grid", [(0, 3), (2, -1), 8, (2,), (2.0, 3), None])
+def test_relative_bias_rejects_bad_grid(grid):
     with pytest.raises(ValueError, match=r"two positive ints"):
         RelativePositionBias2D(2, grid)
+
+
+def test_relative_bias_rejects_negative_prefix_tokens():
+    with pytest.raises(ValueError, match=r"num_prefix_tokens must be an int >= 0, got -1"):
+        RelativePositionBias2D(2, (2, 3), num_prefix_tokens=-1)

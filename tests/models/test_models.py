@@ -112,6 +112,52 @@ def test_model_info_counts(name):
     assert info["flops"] > 0 and info["flops"] == pytest.approx(expected, rel=0.01)
 
 
+def test_model_info_leaves_the_model_untouched_even_while_counting():
+    """A training-mode model with BatchNorm, dropout, drop path, CBAM and attention (one module on an explicit
+    backend, the rest on "auto"), compiled in place as ``zoo-train --compile`` leaves it: during the count no
+    module's training flag or backend differs (checked by a pre-hook on every module), afterwards no buffer
+    (BatchNorm statistics) and no random-number state has changed, and the FLOPs are those of the model in
+    eval mode, equal to the hand formula."""
+    kwargs = dict(drop_rate=0.1, drop_path_rate=0.1)
+    model = zoo.create_model("hybrid_tiny", **kwargs).train()
+    attention = [m for m in model.modules() if isinstance(m, zoo.MultiHeadAttention)]
+    attention[0].backend = "chunked"
+    model.compile()
+    modules = list(model.modules())
+
+    def settings():
+        return [(m.training, getattr(m, "backend", None)) for m in modules]
+
+    before, state, rng = settings(), {k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state()
+    checked = []
+    hooks = [m.register_forward_pre_hook(lambda module, args: checked.append(settings() == before))
+             for m in modules]
+    try:
+        with zoo.attention_backend("math"):
+            flops = zoo.model_info(model)["flops"]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert checked and all(checked), "a module's training flag or backend changed during the count"
+    assert settings() == before and all(m.training for m in modules)
+    assert [m.backend for m in attention] == ["chunked"] + ["auto"] * (len(attention) - 1)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    reference = zoo.create_model("hybrid_tiny", **kwargs).eval()
+    assert flops == zoo.model_info(reference)["flops"] == pytest.approx(hand_flops(reference, batch(1)), rel=0.01)
+
+
+def test_model_info_counts_attention_alike_under_every_exact_backend():
+    """sdpa (its fused CPU kernel, through model_info's FLOP formula for it), math and chunked: one count."""
+    model = eval_model("vit_nano")
+    counts = {}
+    for backend in ("sdpa", "math", "chunked"):
+        with zoo.attention_backend(backend):
+            counts[backend] = zoo.model_info(model)["flops"]
+    assert len(set(counts.values())) == 1, counts
+    assert counts["sdpa"] == pytest.approx(hand_flops(model, batch(1)), rel=0.01)
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("vit_")])
 def test_vit_flops_match_closed_form(name):
     vit = eval_model(name)

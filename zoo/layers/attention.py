@@ -26,6 +26,7 @@ from einops import rearrange
 from torch import nn
 
 from .backends import Masking, attend
+from .checks import check_flag, check_int, check_rate
 from .position import RelativePositionBias2D
 
 BACKENDS = ("auto", "sdpa", "math", "chunked", "linear")
@@ -40,13 +41,18 @@ def _check_backend(name, allowed=BACKENDS[1:]) -> str:
 
 @contextmanager
 def attention_backend(name: str):
-    """Run a block of code with ``backend="auto"`` meaning ``name``::
+    """Run a block of code with ``backend="auto"`` meaning ``name`` (any backend but "auto")::
 
         with zoo.attention_backend("chunked"):
             model(images)   # every MultiHeadAttention built with backend="auto" runs chunked here
 
-    Modules built with an explicit backend keep it. The setting is a ``contextvars.ContextVar``, so it is
-    local to the block (and to the thread or task that entered it) and restored on exit, also on error."""
+    Modules built with an explicit backend keep it. The setting is a ``contextvars.ContextVar``: it holds in
+    the block only, in the thread (or asyncio task) that entered it; it is restored on exit, also when the block
+    raises, and blocks nest. Other threads are not affected, and a thread started inside the block begins
+    from the default "sdpa" (Python gives a new thread an empty context unless
+    ``sys.flags.thread_inherit_context``): enter the block in the thread that runs the model.
+    ``torch.compile`` reads the setting when it traces and guards on it, so a compiled model recompiles
+    when it runs under another setting; ``torch.export`` records the backend in effect when it traces."""
     token = _AUTO.set(_check_backend(name))
     try:
         yield name
@@ -55,8 +61,11 @@ def attention_backend(name: str):
 
 
 def set_backend(name: str) -> str:
-    """What ``backend="auto"`` means from now on in the current context; returns the old value. Prefer the
-    ``attention_backend`` context manager, which restores the old value by itself."""
+    """Make ``backend="auto"`` mean ``name`` from now on in the current context and return what it meant
+    before. A thin wrapper kept for old scripts: it sets the ``attention_backend`` ContextVar without a block,
+    so it holds for the rest of the calling thread (other threads never see it) until set again, and an
+    enclosing ``attention_backend`` block undoes it on exit. Prefer the context manager, which restores the
+    old value by itself."""
     old = _AUTO.get()
     _AUTO.set(_check_backend(name))
     return old
@@ -123,19 +132,22 @@ class MultiHeadAttention(nn.Module):
     """Multi-head (self- or cross-) attention over tokens (B, N, dim).
 
     Args:
-        dim: token width; must be divisible by ``num_heads``.
-        num_heads: number of heads; head_dim = dim // num_heads.
+        dim: token width, a positive int divisible by ``num_heads``.
+        num_heads: number of heads (a positive int); head_dim = dim // num_heads.
         context_dim: width of the context for cross-attention. None: the module has one fused
             ``qkv = Linear(dim, 3 * dim)`` laid out as (3, heads, head_dim), as timm's ``Attention.qkv`` and
             ``nn.MultiheadAttention.in_proj_weight``; it still accepts a context of width ``dim``.
             Given: ``q = Linear(dim, dim)`` and ``kv = Linear(context_dim, 2 * dim)`` laid out as
             (2, heads, head_dim).
         qkv_bias: bias on the input projections.
-        attn_drop, proj_drop: dropout on the attention probabilities and on the output.
-        backend: "auto" | "sdpa" | "math" | "chunked" | "linear". Public attribute, read at every forward.
+        attn_drop, proj_drop: dropout on the attention probabilities and on the output, each in [0, 1).
+        backend: "auto" | "sdpa" | "math" | "chunked" | "linear". Public attribute, read at every forward;
+            "auto" means what the enclosing ``attention_backend`` block says ("sdpa" outside any).
         rel_pos_grid: (gh, gw) turns on a learned 2D relative position bias over the last gh * gw tokens.
-        num_prefix_tokens: leading tokens (class token) that get no relative bias.
-        chunk_size: query rows per chunk for the chunked backend.
+        num_prefix_tokens: leading tokens (class token) that get no relative bias; an int >= 0.
+        chunk_size: query rows per chunk for the chunked backend, a positive int.
+
+    A wrong argument raises ``ValueError`` here, naming it with what was expected and what was given.
     """
 
     def __init__(self, dim: int, num_heads: int = 8, *, context_dim: int | None = None, qkv_bias: bool = True,
@@ -143,24 +155,26 @@ class MultiHeadAttention(nn.Module):
                  rel_pos_grid: tuple[int, int] | None = None, num_prefix_tokens: int = 0,
                  chunk_size: int = 256):
         super().__init__()
-        if num_heads < 1 or dim % num_heads:
+        dim, num_heads = check_int("dim", dim), check_int("num_heads", num_heads)
+        if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+        if context_dim is not None:
+            context_dim = check_int("context_dim", context_dim)
+        num_prefix_tokens = check_int("num_prefix_tokens", num_prefix_tokens, minimum=0)
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.context_dim = context_dim
-        self.backend = backend
-        self.chunk_size = chunk_size
-        self.attn_drop = attn_drop
+        self.backend = _check_backend(backend, BACKENDS)
+        self.chunk_size = check_int("chunk_size", chunk_size)
+        self.attn_drop = check_rate("attn_drop", attn_drop)
         if context_dim is None:
             self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         else:
             self.q = nn.Linear(dim, dim, bias=qkv_bias)
             self.kv = nn.Linear(context_dim, 2 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
+        self.proj_drop = nn.Dropout(check_rate("proj_drop", proj_drop))
         self.rel_pos_bias = (RelativePositionBias2D(num_heads, rel_pos_grid, num_prefix_tokens)
                              if rel_pos_grid is not None else None)
         self.weights_hook = None  # set by zoo.record_attention: called with (B, H, N, M) weights
@@ -194,6 +208,25 @@ class MultiHeadAttention(nn.Module):
         mask: bool (True = may attend) or float (added), broadcastable to (B, H, N, M).
         is_causal: query i sees keys j <= i + M - N (bottom-right aligned when a KV cache makes M > N).
         Returns out (B, N, dim), or (out, weights (B, H, N, M)) with need_weights."""
+        self._check_inputs(x, context, kv_cache, is_causal=is_causal, need_weights=need_weights)
+        q, k, v = self._project(x, context)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)
+        b, h, n, _ = q.shape
+        m = k.shape[-2]
+        if mask is not None:
+            mask = _check_mask(mask, b, h, n, m, x.device)
+        masking = Masking(mask, is_causal, self._rel_bias(n, m), n, m)
+        want_weights = need_weights or self.weights_hook is not None
+        out, weights = self._attend(q, k, v, masking, want_weights)
+        if self.weights_hook is not None:
+            self.weights_hook(weights)
+        out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
+        return (out, weights) if need_weights else out
+
+    def _check_inputs(self, x, context, kv_cache, *, is_causal, need_weights) -> None:
+        check_flag("is_causal", is_causal)
+        check_flag("need_weights", need_weights)
         _check_rank3("x", x, self.dim, "dim")
         if context is not None:
             _check_rank3("context", context, self.context_dim or self.dim, "context_dim")
@@ -204,27 +237,16 @@ class MultiHeadAttention(nn.Module):
         elif self.context_dim is not None:
             raise ValueError(f"this module was built for cross-attention (context_dim={self.context_dim}): "
                              "pass a context")
-        q, k, v = self._project(x, context)
-        if kv_cache is not None:
-            k, v = kv_cache.append(k, v)
-        b, h, n, _ = q.shape
-        m = k.shape[-2]
-        if mask is not None:
-            mask = _check_mask(mask, b, h, n, m, x.device)
-        rel_bias = None
-        if self.rel_pos_bias is not None:
-            if not n == m == self.rel_pos_bias.num_tokens:
-                raise ValueError(f"relative position bias over grid {self.rel_pos_bias.grid} with "
-                                 f"{self.rel_pos_bias.num_prefix_tokens} prefix tokens needs N == M == "
-                                 f"{self.rel_pos_bias.num_tokens} tokens, got N={n}, M={m}")
-            rel_bias = self.rel_pos_bias()
-        masking = Masking(mask, is_causal, rel_bias, n, m)
-        want_weights = need_weights or self.weights_hook is not None
-        out, weights = self._attend(q, k, v, masking, want_weights)
-        if self.weights_hook is not None:
-            self.weights_hook(weights)
-        out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
-        return (out, weights) if need_weights else out
+
+    def _rel_bias(self, n: int, m: int) -> torch.Tensor | None:
+        """(H, N, M) relative position bias, or None without one."""
+        if self.rel_pos_bias is None:
+            return None
+        if not n == m == self.rel_pos_bias.num_tokens:
+            raise ValueError(f"relative position bias over grid {self.rel_pos_bias.grid} with "
+                             f"{self.rel_pos_bias.num_prefix_tokens} prefix tokens needs N == M == "
+                             f"{self.rel_pos_bias.num_tokens} tokens, got N={n}, M={m}")
+        return self.rel_pos_bias()
 
     def _attend(self, q, k, v, masking: Masking, need_weights: bool):
         backend = self.resolved_backend(need_weights)

@@ -16,8 +16,12 @@ def causal_mask(n: int, m: int | None = None, *, rows: slice | None = None, devi
 
 
 def padding_mask(lengths: torch.Tensor | list[int], n: int) -> torch.Tensor:
-    """(B, 1, 1, n) bool, True for the first ``lengths[b]`` (real) tokens of each sequence."""
+    """(B, 1, 1, n) bool, True for the first ``lengths[b]`` (real) tokens of each sequence; ``lengths`` holds
+    integers in [0, n] (a list of ints or an integer tensor)."""
     lengths = torch.as_tensor(lengths)
+    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
+        raise ValueError(f"lengths must be integers (a list of ints or an integer tensor), got {lengths.tolist()} "
+                         f"of dtype {lengths.dtype}")
     if lengths.dim() != 1:
         raise ValueError(f"lengths must be 1-D (one length per sequence), got shape {tuple(lengths.shape)}")
     if bool((lengths < 0).any()) or bool((lengths > n).any()):

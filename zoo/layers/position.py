@@ -9,6 +9,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from .checks import check_grid, check_int
+
 
 def sincos_pos_embed_2d(dim: int, grid: tuple[int, int], temperature: float = 10000.0) -> torch.Tensor:
     """(gh * gw, dim) fixed embedding: the first half of the channels encodes the row, the second
@@ -33,11 +35,9 @@ class RelativePositionBias2D(nn.Module):
 
     def __init__(self, num_heads: int, grid: tuple[int, int], num_prefix_tokens: int = 0):
         super().__init__()
-        gh, gw = grid
-        if gh < 1 or gw < 1:
-            raise ValueError(f"rel_pos_grid must be two positive ints, got {grid}")
+        gh, gw = check_grid("rel_pos_grid", grid)
         self.grid = (gh, gw)
-        self.num_prefix_tokens = num_prefix_tokens
+        self.num_prefix_tokens = check_int("num_prefix_tokens", num_prefix_tokens, minimum=0)
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * gh - 1) * (2 * gw - 1), num_heads))
         nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
         coords = torch.stack(torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")).flatten(1)

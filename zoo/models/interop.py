@@ -49,34 +49,38 @@ def _timm_unsupported(vit: TimmVisionTransformer) -> list[str]:
                      f"fc_norm={type(vit.fc_norm).__name__}; the zoo normalises before 'token' pooling "
                      "and after 'avg' pooling, with LayerNorm eps 1e-6)")
     for blk in vit.blocks:
-        if type(blk) is not TimmBlock:
-            found.append(f"block_fn={type(blk).__name__}")
-            continue
-        attn, mlp = blk.attn, blk.mlp
-        block_flags = [
-            (not isinstance(blk.ls1, nn.Identity), "init_values (LayerScale)"),
-            (type(attn) is not TimmAttention, f"attn_layer={type(attn).__name__}"),
-            (type(mlp) is not Mlp, f"mlp_layer={type(mlp).__name__}"),
-            (not (_is_vit_layer_norm(blk.norm1, dim) and _is_vit_layer_norm(blk.norm2, dim)),
-             f"norm_layer={type(blk.norm1).__name__} (the zoo uses LayerNorm eps 1e-6)"),
-        ]
-        if type(attn) is TimmAttention:
-            block_flags += [
-                (not isinstance(attn.q_norm, nn.Identity), "qk_norm=True"),
-                (not isinstance(attn.norm, nn.Identity), "scale_attn_norm=True"),
-                (getattr(attn, "gate", None) is not None, "gated attention"),
-                (attn.attn_dim != dim, f"attn_head_dim={attn.head_dim}"),
-                (attn.proj.bias is None, "proj_bias=False"),
-            ]
-        if type(mlp) is Mlp:
-            act = mlp.act
-            block_flags += [
-                (not isinstance(mlp.norm, nn.Identity), "scale_mlp_norm=True"),
-                (mlp.fc1.bias is None or mlp.fc2.bias is None, "proj_bias=False"),
-                (type(act) is not nn.GELU or act.approximate != "none", f"act_layer={act!r}"),
-            ]
-        found += [name for flag, name in block_flags if flag]
+        found += _timm_block_unsupported(blk, dim)
     return list(dict.fromkeys(found))
+
+
+def _timm_block_unsupported(blk: nn.Module, dim: int) -> list[str]:
+    """Names of the features of one timm ViT block that the zoo's ``Block`` does not have."""
+    if type(blk) is not TimmBlock:
+        return [f"block_fn={type(blk).__name__}"]
+    attn, mlp = blk.attn, blk.mlp
+    flags = [
+        (not isinstance(blk.ls1, nn.Identity), "init_values (LayerScale)"),
+        (type(attn) is not TimmAttention, f"attn_layer={type(attn).__name__}"),
+        (type(mlp) is not Mlp, f"mlp_layer={type(mlp).__name__}"),
+        (not (_is_vit_layer_norm(blk.norm1, dim) and _is_vit_layer_norm(blk.norm2, dim)),
+         f"norm_layer={type(blk.norm1).__name__} (the zoo uses LayerNorm eps 1e-6)"),
+    ]
+    if type(attn) is TimmAttention:
+        flags += [
+            (not isinstance(attn.q_norm, nn.Identity), "qk_norm=True"),
+            (not isinstance(attn.norm, nn.Identity), "scale_attn_norm=True"),
+            (getattr(attn, "gate", None) is not None, "gated attention"),
+            (attn.attn_dim != dim, f"attn_head_dim={attn.head_dim}"),
+            (attn.proj.bias is None, "proj_bias=False"),
+        ]
+    if type(mlp) is Mlp:
+        act = mlp.act
+        flags += [
+            (not isinstance(mlp.norm, nn.Identity), "scale_mlp_norm=True"),
+            (mlp.fc1.bias is None or mlp.fc2.bias is None, "proj_bias=False"),
+            (type(act) is not nn.GELU or act.approximate != "none", f"act_layer={act!r}"),
+        ]
+    return [name for flag, name in flags if flag]
 
 
 def _grid(img_size: tuple[int, int], patch_size: tuple[int, int]) -> tuple[int, int]:

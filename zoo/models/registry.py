@@ -4,7 +4,9 @@ Every entry point is mirrored into timm's registry as ``zoo_<name>``, so ``timm.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -72,32 +74,50 @@ def create_model(name: str, **kwargs) -> nn.Module:
     return model
 
 
-def model_info(model: nn.Module, input_size: tuple[int, int, int] | None = None) -> dict:
-    """{'params', 'trainable_params', 'flops', 'input_size'}: flops are forward FLOPs per image
-    (a multiply-add counts 2), counted by torch.utils.flop_counter with every attention module on the
-    math backend so the attention matmuls are included."""
-    from torch.utils.flop_counter import FlopCounterMode
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """q k^T and weights v of one fused SDPA call: 2 * B * H * N * M * (D + Dv), the formula
+    torch.utils.flop_counter applies to its CUDA SDPA kernels."""
+    b, h, n, d = query_shape
+    m, dv = key_shape[-2], value_shape[-1]
+    return 2 * b * h * n * m * (d + dv)
 
-    from ..layers.attention import MultiHeadAttention
+
+# the fused SDPA forward kernels torch's FLOP counter has no formula for (torch 2.14): CPU (the one
+# F.scaled_dot_product_attention runs on CPU, without dropout), XPU / PrivateUse1 devices, MPS
+_SDPA_FLOPS = {op: _sdpa_flops for op in (
+    getattr(torch.ops.aten, name, None) for name in ("_scaled_dot_product_flash_attention_for_cpu",
+                                                     "_scaled_dot_product_fused_attention_overrideable",
+                                                     "_scaled_dot_product_attention_math_for_mps"))
+    if op is not None}
+
+
+def _counting_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s modules in eval mode that shares (does not copy) every parameter and buffer: a
+    forward through it reads the model's weights but cannot change the model. Hooks come along (torch drops
+    the compiled code of ``module.compile()``, so the copy runs eagerly)."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo=shared).eval()
+
+
+def model_info(model: nn.Module, input_size: tuple[int, int, int] | None = None) -> dict:
+    """{'params', 'trainable_params', 'flops', 'input_size'}: flops are forward FLOPs per image (a multiply-add
+    counts 2) in eval mode, counted by torch.utils.flop_counter on one zero image.
+
+    The model is left as it is, also during the count: the forward runs on ``_counting_copy(model)``, so no
+    module's training flag or backend is touched, no BatchNorm statistic updated, no random number drawn.
+    Attention counts as each module runs it in the current ``zoo.attention_backend`` setting: sdpa (through
+    ``_SDPA_FLOPS`` for the CPU kernel), math and chunked all count q k^T and weights v, 2 * N * M * dim each
+    per image; the linear backend counts its own (fewer, for long sequences) products."""
+    from torch.utils.flop_counter import FlopCounterMode
 
     if input_size is None:
         input_size = (getattr(model, "in_chans", 3), *to_2tuple(getattr(model, "img_size", 32)))
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    attn = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    saved = [m.backend for m in attn]
-    was_training = model.training
-    try:
-        for m in attn:
-            m.backend = "math"
-        model.eval()
-        p = next(model.parameters())
-        x = torch.zeros(1, *input_size, device=p.device, dtype=p.dtype)
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(x)
-    finally:
-        for m, b in zip(attn, saved, strict=True):
-            m.backend = b
-        model.train(was_training)
+    p = next(model.parameters())
+    x = torch.zeros(1, *input_size, device=p.device, dtype=p.dtype)
+    counted = _counting_copy(model)
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_SDPA_FLOPS) as counter:
+        counted(x)
     return {"params": params, "trainable_params": trainable, "flops": int(counter.get_total_flops()),
             "input_size": tuple(input_size)}
