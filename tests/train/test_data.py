@@ -1,4 +1,5 @@
-"""Tests of zoo.data: layouts, split, statistics, cache reliability, batched augmentation, throughput.
+"""Tests of zoo.train.data: layouts, split, statistics, cache reliability, batched augmentation, throughput
+(measured with zoo.bench.measure_throughput).
 
 Synthetic data is written into tmp_path (PNG ImageFolder trees with PIL, CIFAR-10 python batches in
 torchvision's pickle format); the real CIFAR-10 tree is only read through small subsets."""
@@ -22,8 +23,9 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
-import zoo.train.data.module
-from zoo.train.data import DataError, ImageDataModule, measure_throughput, random_crop, random_hflip
+import zoo.train.data.decode
+from zoo.bench import measure_throughput
+from zoo.train.data import DataError, ImageDataModule, random_crop, random_hflip
 
 CLASSES = ["cat", "dog", "frog"]
 CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -86,14 +88,14 @@ def no_download(monkeypatch):
 
 @pytest.fixture
 def decode_calls(monkeypatch):
-    """Counts zoo.data's image decodes."""
+    """Counts zoo.train.data's image decodes."""
     calls = []
-    real = zoo.train.data.module.decode_image
+    real = zoo.train.data.decode.decode_image
 
     def counting(*args, **kwargs):
         calls.append(args[0])
         return real(*args, **kwargs)
-    monkeypatch.setattr(zoo.train.data.module, "decode_image", counting)
+    monkeypatch.setattr(zoo.train.data.decode, "decode_image", counting)
     return calls
 
 
