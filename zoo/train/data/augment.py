@@ -3,7 +3,7 @@
 https://arxiv.org/abs/1909.13719, one draw of ops per batch, on uint8), then mixup (Zhang et al. 2017,
 https://arxiv.org/abs/1710.09412) and cutmix (Yun et al. 2019, https://arxiv.org/abs/1905.04899) on the
 normalised float batch, which turn the labels into (B, num_classes) float probabilities. ``DEFAULT_AUGMENT``
-holds the augmentation settings and their defaults."""
+is the one definition of the augmentation settings and their defaults (the recipes read it too)."""
 
 from __future__ import annotations
 
