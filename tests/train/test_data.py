@@ -1,5 +1,5 @@
-"""Tests of zoo.train.data: layouts, split, statistics, cache reliability, batched augmentation, throughput
-(measured with zoo.bench.measure_throughput).
+"""Tests of zoo.train.data: layouts, split, statistics, cache placement and reliability, batched augmentation,
+throughput (measured with zoo.bench.measure_throughput).
 
 Synthetic data is written into tmp_path (PNG ImageFolder trees with PIL, CIFAR-10 python batches in
 torchvision's pickle format); the real CIFAR-10 tree is only read through small subsets."""
@@ -299,11 +299,42 @@ def test_second_setup_reads_the_cache_without_decoding(tmp_path, decode_calls):
     assert cache_files(tmp_path) == [cache]
 
 
-def test_cache_goes_to_user_cache_when_data_folder_is_read_only(tmp_path, monkeypatch):
+def listing(root: Path) -> list[tuple[str, int]]:
+    """Every path under ``root`` (relative) with its size: what a build must leave unchanged."""
+    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*"))
+
+
+def test_cache_never_goes_into_a_writable_data_folder(tmp_path, monkeypatch):
+    write_imagefolder(tmp_path / "data", per_class=2)
+    before = listing(tmp_path / "data")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    dm = ImageDataModule(tmp_path / "data", val_size=1)
+    dm.prepare_data()
+    dm.setup()
+    assert listing(tmp_path / "data") == before
+    [folder] = (tmp_path / "xdg" / "zoo").iterdir()
+    assert [p.suffix for p in folder.iterdir()] == [".pt"]
+    assert dm.cache_path(tmp_path / "data").parent == folder
+
+
+def test_cache_goes_to_home_cache_without_xdg_and_to_cache_dir_when_given(tmp_path, monkeypatch):
     write_imagefolder(tmp_path / "data", per_class=2)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    writable = ImageDataModule(tmp_path / "data", val_size=1)
-    assert writable.cache_path(tmp_path / "data").parent == (tmp_path / "data").resolve()
+    for xdg in (None, "", "relative/path"):  # unset, empty or relative: the XDG rule falls back to ~/.cache
+        if xdg is None:
+            monkeypatch.delenv("XDG_CACHE_HOME")
+        else:
+            monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        path = ImageDataModule(tmp_path / "data", val_size=1).cache_path(tmp_path / "data")
+        assert path.parent.parent == tmp_path / "home" / ".cache" / "zoo"
+    explicit = ImageDataModule(tmp_path / "data", val_size=1, cache_dir=tmp_path / "mine")
+    assert explicit.cache_path(tmp_path / "data").parent == tmp_path / "mine"
+
+
+def test_cache_goes_to_user_cache_when_data_folder_is_read_only(tmp_path, monkeypatch):
+    write_imagefolder(tmp_path / "data", per_class=2)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     os.chmod(tmp_path / "data", 0o555)
     try:
         dm = ImageDataModule(tmp_path / "data", val_size=1)

@@ -1,9 +1,9 @@
 """The decoded-data cache: one ``torch.save`` file holding the uint8 images and int64 labels of both splits,
 the class names, the training split's per-channel mean and std, a fingerprint of the data files and a CRC32
-of the tensors. It lives beside the data when that folder is writable, else in ``~/.cache/zoo`` in a folder
-named by a hash of the data path, or in an explicit ``cache_dir``. It is written atomically (zoo.atomic: a
-temporary file in the same folder, then ``os.replace``); a truncated, corrupt or stale cache is rebuilt from
-the data files, with a warning."""
+of the tensors. It lives in the user cache directory (``$XDG_CACHE_HOME/zoo``, else ``~/.cache/zoo``), in a
+folder named by a hash of the data path, or in an explicit ``cache_dir``, and never in the data folder. It is
+written atomically (zoo.atomic: a temporary file in the same folder, then ``os.replace``); a truncated,
+corrupt or stale cache is rebuilt from the data files, with a warning."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import time
 import warnings
 import zlib
@@ -28,24 +27,23 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 1
 
 
-def _writable(folder: Path) -> bool:
-    """Whether we may write into ``folder``: permitted, and (for root, whom os.access always permits) its
-    owner-write bit set, so a folder marked read-only stays untouched."""
-    return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & stat.S_IWUSR)
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/zoo`` when that variable holds an absolute path (the XDG rule), else ``~/.cache/zoo``."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return root / "zoo"
 
 
 def cache_path(source: Path, cache_dir: Path | None, img_size: int, limits: Limits, seed: int) -> Path:
     """The cache file for data read from ``source`` at ``img_size`` with the subsets ``limits`` (drawn with
-    ``seed``): in ``cache_dir`` if given, else beside the data if writable, else in ``~/.cache/zoo``."""
+    ``seed``): in ``cache_dir`` if given, else in ``user_cache_dir()/<hash of source>``."""
     source = source.resolve()
     subsets = limits["train"] or limits["test"]
     spec = [str(source), img_size, limits["train"], limits["test"], seed if subsets else None]
     name = "zoo-cache-" + hashlib.sha1(json.dumps(spec).encode()).hexdigest()[:12] + ".pt"
     if cache_dir is not None:
         return cache_dir / name
-    if _writable(source):
-        return source / name
-    return Path.home() / ".cache" / "zoo" / hashlib.sha1(str(source).encode()).hexdigest()[:16] / name
+    return user_cache_dir() / hashlib.sha1(str(source).encode()).hexdigest()[:16] / name
 
 
 def data_fingerprint(layout: str, source: Path) -> str:

@@ -72,8 +72,8 @@ class ImageDataModule(pl.LightningDataModule):
         seed: seeds the split, the subsets and the shuffling order (same seed -> same order, epoch by epoch).
         augment: dict with keys of ``DEFAULT_AUGMENT`` overriding them (None -> crop padding 4 + hflip);
             ``randaugment`` is None or ``{"num_ops": 2, "magnitude": 9}``.
-        cache_dir: where the cache file goes. Default: beside the data when the data folder is writable, else
-            ``~/.cache/zoo/<hash of the data path>``.
+        cache_dir: where the cache file goes. Default: ``$XDG_CACHE_HOME/zoo/<hash of the data path>``, or
+            ``~/.cache/zoo/<hash of the data path>`` when that variable is unset; never the data folder.
         device_cache: "auto" (the trainer's root device when a trainer is attached, else CPU) or a device.
         max_train_images / max_test_images: seeded random subsets (only the chosen files are decoded).
 
