@@ -149,8 +149,11 @@ def test_cifar_batches_layout(tmp_path, no_download, point_at_batches):
     assert torch.equal(dm.test_dataset.images, torch.from_numpy(written["test"][0]))
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "wrong", "no_classes", "no_images"])
-def test_bad_layouts_raise_data_error(tmp_path, no_download, case):
+@pytest.mark.parametrize("case, problem", [
+    ("missing", "does not exist"), ("empty", "is empty"), ("wrong", r"holds no dataset \(found images, readme.txt\)"),
+    ("no_classes", "train has no class folders"), ("no_images", "train holds no image files"),
+])
+def test_bad_layouts_raise_data_error(tmp_path, no_download, case, problem):
     root = tmp_path / "data"
     if case != "missing":
         root.mkdir()
@@ -163,7 +166,7 @@ def test_bad_layouts_raise_data_error(tmp_path, no_download, case):
     if case == "no_images":
         (root / "train" / "cat").mkdir()
     dm = make(root, tmp_path)
-    with pytest.raises(DataError) as info:
+    with pytest.raises(DataError, match=problem) as info:
         dm.prepare_data()
     message = str(info.value)
     assert isinstance(info.value, ValueError) and "\n" not in message
@@ -389,7 +392,7 @@ def test_crash_while_writing_leaves_the_old_cache_intact(tmp_path, monkeypatch):
 def test_explicit_folder_never_downloads(tmp_path, no_download):
     write_cifar_batches(tmp_path / "data")
     make(tmp_path / "data", tmp_path, val_size=20).setup()
-    with pytest.raises(DataError):
+    with pytest.raises(DataError, match="nothing does not exist"):
         make(tmp_path / "nothing", tmp_path).setup()
 
 
@@ -472,18 +475,28 @@ def test_default_augment_keeps_int_labels(small_dm):
     assert same.dtype == torch.int64 and torch.equal(same, labels)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"augment": {"blur": 1}}, {"augment": {"randaugment": {"ops": 2}}}, {"augment": {"crop_padding": -1}},
-    {"img_size": 0}, {"batch_size": 0}, {"device_cache": "nonsense"},
+@pytest.mark.parametrize("kwargs, message", [
+    ({"augment": {"blur": 1}}, r"unknown augment keys \['blur'\]"),
+    ({"augment": {"randaugment": {"ops": 2}}}, r"unknown randaugment keys \['ops'\]"),
+    ({"augment": {"crop_padding": -1}}, "crop_padding must be an int >= 0, got -1"),
+    ({"img_size": 0}, "img_size must be an int >= 1, got 0"),
+    ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
+    ({"device_cache": "nonsense"}, "device_cache must be 'auto' or a device, got 'nonsense'"),
 ])
-def test_bad_arguments_raise_value_error(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_arguments_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         ImageDataModule("unused", **kwargs)
 
 
 def test_loaders_before_setup_raise(tmp_path):
     with pytest.raises(ValueError, match="setup"):
         make(tmp_path, tmp_path).train_dataloader()
+
+
+def test_augment_before_setup_raises(tmp_path):
+    images, labels = torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"call setup\(\) first"):
+        make(tmp_path, tmp_path).augment(images, labels)
 
 
 def test_distributed_sampler_gives_each_rank_its_own_shard(tmp_path):
