@@ -2,7 +2,8 @@
 documented order: the ``ZOO_DATA_DIR`` environment variable, then ``../shared/data/cifar10`` beside the
 checkout, then ``./data`` (torchvision's ``cifar-10-batches-py`` download). With none of them those tests are
 skipped with the reason; with ``ZOO_DATA_DIR`` set to a folder that holds no CIFAR-10 they fail (CI sets it,
-so CI never skips them silently). Tests never download."""
+so CI never skips them silently). Tests never download, and never write into the real user cache
+directory."""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ def find_cifar10() -> Path | None:
                         "image folders, or cifar-10-batches-py)")
         return folder
     return next((folder for folder in CANDIDATES if holds_cifar10(folder)), None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _user_cache(tmp_path_factory):
+    """Point the user cache directory (``$XDG_CACHE_HOME``, where data caches go by default) into the
+    session's temporary folder, so tests never write into the real ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        yield
 
 
 @pytest.fixture(autouse=True)

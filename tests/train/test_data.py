@@ -1,4 +1,5 @@
-"""Tests of zoo.data: layouts, split, statistics, cache reliability, batched augmentation, throughput.
+"""Tests of zoo.train.data: layouts, split, statistics, cache placement and reliability, batched augmentation,
+throughput (measured with zoo.bench.measure_throughput).
 
 Synthetic data is written into tmp_path (PNG ImageFolder trees with PIL, CIFAR-10 python batches in
 torchvision's pickle format); the real CIFAR-10 tree is only read through small subsets."""
@@ -22,8 +23,9 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
-import zoo.train.data.module
-from zoo.train.data import DataError, ImageDataModule, measure_throughput, random_crop, random_hflip
+import zoo.train.data.decode
+from zoo.bench import measure_throughput
+from zoo.train.data import DataError, ImageDataModule, random_crop, random_hflip
 
 CLASSES = ["cat", "dog", "frog"]
 CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -86,14 +88,14 @@ def no_download(monkeypatch):
 
 @pytest.fixture
 def decode_calls(monkeypatch):
-    """Counts zoo.data's image decodes."""
+    """Counts zoo.train.data's image decodes."""
     calls = []
-    real = zoo.train.data.module.decode_image
+    real = zoo.train.data.decode.decode_image
 
     def counting(*args, **kwargs):
         calls.append(args[0])
         return real(*args, **kwargs)
-    monkeypatch.setattr(zoo.train.data.module, "decode_image", counting)
+    monkeypatch.setattr(zoo.train.data.decode, "decode_image", counting)
     return calls
 
 
@@ -147,8 +149,11 @@ def test_cifar_batches_layout(tmp_path, no_download, point_at_batches):
     assert torch.equal(dm.test_dataset.images, torch.from_numpy(written["test"][0]))
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "wrong", "no_classes", "no_images"])
-def test_bad_layouts_raise_data_error(tmp_path, no_download, case):
+@pytest.mark.parametrize("case, problem", [
+    ("missing", "does not exist"), ("empty", "is empty"), ("wrong", r"holds no dataset \(found images, readme.txt\)"),
+    ("no_classes", "train has no class folders"), ("no_images", "train holds no image files"),
+])
+def test_bad_layouts_raise_data_error(tmp_path, no_download, case, problem):
     root = tmp_path / "data"
     if case != "missing":
         root.mkdir()
@@ -161,7 +166,7 @@ def test_bad_layouts_raise_data_error(tmp_path, no_download, case):
     if case == "no_images":
         (root / "train" / "cat").mkdir()
     dm = make(root, tmp_path)
-    with pytest.raises(DataError) as info:
+    with pytest.raises(DataError, match=problem) as info:
         dm.prepare_data()
     message = str(info.value)
     assert isinstance(info.value, ValueError) and "\n" not in message
@@ -297,11 +302,42 @@ def test_second_setup_reads_the_cache_without_decoding(tmp_path, decode_calls):
     assert cache_files(tmp_path) == [cache]
 
 
-def test_cache_goes_to_user_cache_when_data_folder_is_read_only(tmp_path, monkeypatch):
+def listing(root: Path) -> list[tuple[str, int]]:
+    """Every path under ``root`` (relative) with its size: what a build must leave unchanged."""
+    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*"))
+
+
+def test_cache_never_goes_into_a_writable_data_folder(tmp_path, monkeypatch):
+    write_imagefolder(tmp_path / "data", per_class=2)
+    before = listing(tmp_path / "data")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    dm = ImageDataModule(tmp_path / "data", val_size=1)
+    dm.prepare_data()
+    dm.setup()
+    assert listing(tmp_path / "data") == before
+    [folder] = (tmp_path / "xdg" / "zoo").iterdir()
+    assert [p.suffix for p in folder.iterdir()] == [".pt"]
+    assert dm.cache_path(tmp_path / "data").parent == folder
+
+
+def test_cache_goes_to_home_cache_without_xdg_and_to_cache_dir_when_given(tmp_path, monkeypatch):
     write_imagefolder(tmp_path / "data", per_class=2)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    writable = ImageDataModule(tmp_path / "data", val_size=1)
-    assert writable.cache_path(tmp_path / "data").parent == (tmp_path / "data").resolve()
+    for xdg in (None, "", "relative/path"):  # unset, empty or relative: the XDG rule falls back to ~/.cache
+        if xdg is None:
+            monkeypatch.delenv("XDG_CACHE_HOME")
+        else:
+            monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        path = ImageDataModule(tmp_path / "data", val_size=1).cache_path(tmp_path / "data")
+        assert path.parent.parent == tmp_path / "home" / ".cache" / "zoo"
+    explicit = ImageDataModule(tmp_path / "data", val_size=1, cache_dir=tmp_path / "mine")
+    assert explicit.cache_path(tmp_path / "data").parent == tmp_path / "mine"
+
+
+def test_cache_goes_to_user_cache_when_data_folder_is_read_only(tmp_path, monkeypatch):
+    write_imagefolder(tmp_path / "data", per_class=2)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     os.chmod(tmp_path / "data", 0o555)
     try:
         dm = ImageDataModule(tmp_path / "data", val_size=1)
@@ -356,7 +392,7 @@ def test_crash_while_writing_leaves_the_old_cache_intact(tmp_path, monkeypatch):
 def test_explicit_folder_never_downloads(tmp_path, no_download):
     write_cifar_batches(tmp_path / "data")
     make(tmp_path / "data", tmp_path, val_size=20).setup()
-    with pytest.raises(DataError):
+    with pytest.raises(DataError, match="nothing does not exist"):
         make(tmp_path / "nothing", tmp_path).setup()
 
 
@@ -439,18 +475,28 @@ def test_default_augment_keeps_int_labels(small_dm):
     assert same.dtype == torch.int64 and torch.equal(same, labels)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"augment": {"blur": 1}}, {"augment": {"randaugment": {"ops": 2}}}, {"augment": {"crop_padding": -1}},
-    {"img_size": 0}, {"batch_size": 0}, {"device_cache": "nonsense"},
+@pytest.mark.parametrize("kwargs, message", [
+    ({"augment": {"blur": 1}}, r"unknown augment keys \['blur'\]"),
+    ({"augment": {"randaugment": {"ops": 2}}}, r"unknown randaugment keys \['ops'\]"),
+    ({"augment": {"crop_padding": -1}}, "crop_padding must be an int >= 0, got -1"),
+    ({"img_size": 0}, "img_size must be an int >= 1, got 0"),
+    ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
+    ({"device_cache": "nonsense"}, "device_cache must be 'auto' or a device, got 'nonsense'"),
 ])
-def test_bad_arguments_raise_value_error(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_arguments_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         ImageDataModule("unused", **kwargs)
 
 
 def test_loaders_before_setup_raise(tmp_path):
     with pytest.raises(ValueError, match="setup"):
         make(tmp_path, tmp_path).train_dataloader()
+
+
+def test_augment_before_setup_raises(tmp_path):
+    images, labels = torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"call setup\(\) first"):
+        make(tmp_path, tmp_path).augment(images, labels)
 
 
 def test_distributed_sampler_gives_each_rank_its_own_shard(tmp_path):

@@ -1,7 +1,8 @@
-"""Measuring speed and memory: timing and memory primitives (``timing``) and the side-by-side suite that
-``eval.py --bench-suite`` runs (``suite``). Imports ``zoo.models`` and ``zoo.layers`` (and ``zoo.train``'s data
-module for the input-pipeline measurement)."""
+"""Measuring speed and memory: timing and memory primitives (``timing``), the input pipeline's speed
+(``pipeline``) and the side-by-side suite that ``eval.py --bench-suite`` runs (``suite``). Imports
+``zoo.models`` and ``zoo.layers`` (and ``zoo.train``'s data module for the input-pipeline measurement)."""
 
+from .pipeline import measure_throughput
 from .timing import (
     PRECISIONS,
     autocast_for,
@@ -17,5 +18,5 @@ from .timing import (
 
 __all__ = [
     "PRECISIONS", "autocast_for", "benchmark_model", "interleaved_medians", "measure_inference",
-    "measure_latency", "measure_training", "median_seconds", "peak_memory", "synchronize",
+    "measure_latency", "measure_throughput", "measure_training", "median_seconds", "peak_memory", "synchronize",
 ]

@@ -185,7 +185,8 @@ def bench_pipeline(data_dir: str | None, batch: int = 128, batches: int = 50, de
                    **data_kwargs) -> dict:
     """The input pipeline alone: batch from the in-memory uint8 cache + augment + normalise, images/s.
     ``data_kwargs`` go to zoo.data.ImageDataModule (e.g. max_train_images, cache_dir)."""
-    from ..train.data import ImageDataModule, measure_throughput
+    from ..train.data import ImageDataModule
+    from .pipeline import measure_throughput
 
     dm = ImageDataModule(data_dir, batch_size=batch, **data_kwargs)
     dm.prepare_data()

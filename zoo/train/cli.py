@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit-test-batches")
     p.add_argument("--max-train-images", type=int, help="train on a seeded subset of this many images")
     p.add_argument("--max-test-images", type=int, help="test on a seeded subset of this many images")
-    p.add_argument("--cache-dir", help="where the decoded uint8 cache goes (default ~/.cache/zoo/...)")
+    p.add_argument("--cache-dir", help="where the decoded uint8 cache goes (default $XDG_CACHE_HOME/zoo/... "
+                   "or ~/.cache/zoo/..., never the data folder)")
     p.add_argument("--seed", type=int)
     p.add_argument("--out", help="root of run directories (default runs/)")
     p.add_argument("--resume", metavar="PATH|auto", help="continue a run dir / checkpoint, or the newest run")

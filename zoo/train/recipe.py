@@ -11,11 +11,10 @@ from pathlib import Path
 
 import yaml
 
+from .data.augment import DEFAULT_AUGMENT as AUGMENT_DEFAULTS
+
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
-
-AUGMENT_DEFAULTS = {"crop_padding": 4, "hflip": True, "randaugment": None, "mixup_alpha": 0.0,
-                    "cutmix_alpha": 0.0}
 
 DEFAULTS: dict = {
     # model and recipe

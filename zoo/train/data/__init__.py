@@ -1,6 +1,21 @@
-"""The data pipeline of training and evaluation: finding a data folder's layout, decoding it once into a uint8
-cache, the LightningDataModule that serves it, and batched on-device augmentation."""
+"""The data pipeline of training and evaluation, one job a module: ``layout`` finds a data folder's layout
+(ImageFolder or CIFAR-10 python batches, downloading only when asked) and raises ``DataError``; ``decode``
+turns the files into uint8 tensors; ``cache`` keeps them in one checksummed file in the user cache directory;
+``augment`` holds the batched on-device training augmentation and ``DEFAULT_AUGMENT``; ``module`` is the
+``ImageDataModule`` that ties them together for Lightning (loaded on first use, so the recipes can read
+``DEFAULT_AUGMENT`` without importing Lightning). It imports torch, torchvision, Lightning and ``zoo.atomic``
+only: never the models, ``zoo.explain`` or ``zoo.bench`` (which measures this pipeline from outside)."""
 
-from .module import DEFAULT_AUGMENT, DataError, ImageDataModule, measure_throughput, random_crop, random_hflip
+from .augment import DEFAULT_AUGMENT, random_crop, random_hflip
+from .layout import DataError
 
-__all__ = ["DEFAULT_AUGMENT", "DataError", "ImageDataModule", "measure_throughput", "random_crop", "random_hflip"]
+__all__ = ["DEFAULT_AUGMENT", "DataError", "ImageDataModule", "random_crop", "random_hflip"]
+
+
+def __getattr__(name: str):
+    if name == "ImageDataModule":
+        from .module import ImageDataModule
+
+        globals()[name] = ImageDataModule
+        return ImageDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

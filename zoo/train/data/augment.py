@@ -1,0 +1,111 @@
+"""Batched training augmentation on the batch's own device: random crop with zero padding and horizontal flip
+(vectorised over the batch, no loop over images), optional RandAugment (Cubuk et al. 2019,
+https://arxiv.org/abs/1909.13719, one draw of ops per batch, on uint8), then mixup (Zhang et al. 2017,
+https://arxiv.org/abs/1710.09412) and cutmix (Yun et al. 2019, https://arxiv.org/abs/1905.04899) on the
+normalised float batch, which turn the labels into (B, num_classes) float probabilities. ``DEFAULT_AUGMENT``
+is the one definition of the augmentation settings and their defaults (the recipes read it too)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torchvision.transforms import v2
+
+DEFAULT_AUGMENT = {
+    "crop_padding": 4, "hflip": True, "randaugment": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
+}
+RANDAUGMENT_DEFAULTS = {"num_ops": 2, "magnitude": 9}
+
+
+def random_crop(images: torch.Tensor, padding: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Random crop of (B, C, H, W) images after zero padding by ``padding`` on each side, one crop per image.
+
+    ``offsets`` (B, 2) int64 (top, left) in [0, 2 * padding]; drawn uniformly when None. Vectorised: one
+    ``gather`` of each image's H x W window from the flattened padded images, no loop over images."""
+    if padding == 0:
+        return images
+    b, c, h, w = images.shape
+    if offsets is None:
+        offsets = torch.randint(0, 2 * padding + 1, (b, 2), device=images.device)
+    padded = torch.nn.functional.pad(images, (padding,) * 4)  # (B, C, H + 2p, W + 2p)
+    rows = offsets[:, 0, None] + torch.arange(h, device=images.device)  # (B, H)
+    cols = offsets[:, 1, None] + torch.arange(w, device=images.device)  # (B, W)
+    window = rows[:, :, None] * padded.shape[-1] + cols[:, None, :]  # (B, H, W) flat positions
+    window = window.view(b, 1, h * w).expand(b, c, h * w)
+    return padded.flatten(2).gather(2, window).view(b, c, h, w)
+
+
+def random_hflip(images: torch.Tensor, flip: torch.Tensor | None = None) -> torch.Tensor:
+    """Mirror (B, C, H, W) images left-right where ``flip`` (B,) bool is True (drawn with p = 0.5 if None)."""
+    if flip is None:
+        flip = torch.rand(images.shape[0], device=images.device) < 0.5
+    return torch.where(flip[:, None, None, None], images.flip(-1), images)
+
+
+def randaugment_args(spec: dict | bool | None) -> dict | None:
+    """RandAugment's keyword arguments for an ``augment["randaugment"]`` value (None / False: off, True: the
+    defaults, a dict: overrides of ``RANDAUGMENT_DEFAULTS``)."""
+    if not spec:
+        return None
+    spec = {} if spec is True else spec
+    if not isinstance(spec, dict):
+        raise ValueError(f"augment randaugment must be None, a bool or a mapping, got {spec!r}")
+    unknown = sorted(set(spec) - set(RANDAUGMENT_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown randaugment keys {unknown}; expected some of {sorted(RANDAUGMENT_DEFAULTS)}")
+    return {**RANDAUGMENT_DEFAULTS, **spec}
+
+
+def augment_config(augment: dict | None) -> dict:
+    """``DEFAULT_AUGMENT`` updated with ``augment``, checked: unknown keys or bad values -> ValueError."""
+    unknown = sorted(set(augment or {}) - set(DEFAULT_AUGMENT))
+    if unknown:
+        raise ValueError(f"unknown augment keys {unknown}; expected some of {sorted(DEFAULT_AUGMENT)}")
+    config = {**DEFAULT_AUGMENT, **(augment or {})}
+    if not isinstance(config["crop_padding"], int) or config["crop_padding"] < 0:
+        raise ValueError(f"augment crop_padding must be an int >= 0, got {config['crop_padding']!r}")
+    for key in ("mixup_alpha", "cutmix_alpha"):
+        if not isinstance(config[key], (int, float)) or config[key] < 0:
+            raise ValueError(f"augment {key} must be a number >= 0, got {config[key]!r}")
+    randaugment_args(config["randaugment"])
+    return config
+
+
+def make_mix(config: dict, num_classes: int) -> v2.Transform | None:
+    """torchvision's MixUp / CutMix (one of them at random per batch when both are on), or None."""
+    mixes = [cls(alpha=float(config[key]), num_classes=num_classes)
+             for cls, key in ((v2.MixUp, "mixup_alpha"), (v2.CutMix, "cutmix_alpha")) if config[key] > 0]
+    if not mixes:
+        return None
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+
+
+class BatchAugment:
+    """The training transform of a uint8 batch: crop, flip, RandAugment (uint8), normalise, mixup/cutmix.
+
+    Args:
+        augment: settings overriding ``DEFAULT_AUGMENT`` (checked by ``augment_config``).
+        num_classes: the width of the soft labels mixup/cutmix produce.
+    """
+
+    def __init__(self, augment: dict | None, num_classes: int):
+        self.config = augment_config(augment)
+        self.crop_padding, self.hflip = self.config["crop_padding"], self.config["hflip"]
+        args = randaugment_args(self.config["randaugment"])
+        self.randaugment = v2.RandAugment(**args) if args is not None else None
+        self.mix = make_mix(self.config, num_classes)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor,
+                 normalize: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 (B, 3, H, W) images and int64 (B,) labels -> float32 images (``normalize`` turns the uint8
+        batch into floats) and labels: int64 (B,), or (B, num_classes) float probabilities with mixup/cutmix."""
+        images = random_crop(images, self.crop_padding)
+        if self.hflip:
+            images = random_hflip(images)
+        if self.randaugment is not None:
+            images = self.randaugment(images)
+        images = normalize(images)
+        if self.mix is not None:
+            images, labels = self.mix(images, labels)
+        return images, labels

@@ -1,0 +1,109 @@
+"""Turning data files into tensors: ImageFolder images (any size: the shorter side resized, antialiased, then
+centre-cropped to ``img_size``) and torchvision's CIFAR-10 python batches become uint8 (N, 3, H, W) images
+with int64 (N,) labels, per split. Seeded random subsets pick the images first, so only the chosen files are
+decoded; a file that does not decode is skipped with a warning naming it (one bad file in 50,000 does not
+stop a run)."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.v2 import functional as TF
+
+from .layout import CIFAR_META, CIFAR_TEST, CIFAR_TRAIN, SPLITS, layout_error, list_imagefolder
+
+Limits = dict[str, int | None]  # split -> most images to keep (None: all)
+
+
+def subset(n: int, limit: int | None, seed: int) -> torch.Tensor:
+    """Sorted indices of a seeded random subset of ``min(n, limit)`` of ``range(n)`` (all if None)."""
+    if limit is None or limit >= n:
+        return torch.arange(n)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:limit].sort().values
+
+
+def fit_size(image: torch.Tensor, img_size: int) -> torch.Tensor:
+    """(3, h, w) uint8 -> (3, img_size, img_size): shorter side resized (antialiased), centre crop."""
+    if image.shape[-2:] == (img_size, img_size):
+        return image
+    image = TF.resize(image, img_size, antialias=True)
+    return TF.center_crop(image, [img_size, img_size])
+
+
+def decode_files(paths: list[Path], img_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode image files into (N_ok, 3, img_size, img_size) uint8 and the bool mask of files kept.
+
+    A file that does not decode is skipped with a warning naming it."""
+    images = torch.empty(len(paths), 3, img_size, img_size, dtype=torch.uint8)
+    kept = torch.ones(len(paths), dtype=torch.bool)
+    for i, path in enumerate(paths):
+        try:
+            images[i] = fit_size(decode_image(str(path), mode=ImageReadMode.RGB), img_size)
+        except (RuntimeError, OSError, ValueError) as err:
+            reason = " ".join(str(err).split())
+            warnings.warn(f"skipping {path}: not a readable image ({reason})", stacklevel=2)
+            kept[i] = False
+    return images[kept], kept
+
+
+def read_cifar_batches(batch_dir: Path) -> tuple[list[str], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Read torchvision's CIFAR-10 python batches: class names and per split (images uint8, labels int64)."""
+    def load(name: str) -> dict:
+        path = batch_dir / name
+        try:
+            with open(path, "rb") as f:
+                return pickle.load(f, encoding="latin1")
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError) as err:
+            reason = f"cannot read {path} ({type(err).__name__}: {err})"
+            raise layout_error(batch_dir.parent, reason) from err
+
+    class_names = list(load(CIFAR_META)["label_names"])
+    splits = {}
+    for split, names in zip(SPLITS, (CIFAR_TRAIN, CIFAR_TEST), strict=True):
+        batches = [load(n) for n in names]
+        data = np.concatenate([np.asarray(b["data"], dtype=np.uint8) for b in batches]).reshape(-1, 3, 32, 32)
+        labels = torch.as_tensor(np.concatenate([b["labels"] for b in batches]), dtype=torch.int64)
+        splits[split] = (torch.from_numpy(data), labels)
+    return class_names, splits
+
+
+def decode_imagefolder(source: Path, img_size: int, limits: Limits, seed: int) -> dict:
+    """An ImageFolder tree as {"class_names", "<split>_images", "<split>_labels"}; split i is subset with
+    ``seed + i``."""
+    class_names, files = list_imagefolder(source)
+    decoded: dict = {"class_names": class_names}
+    for offset, split in enumerate(SPLITS):
+        paths, labels = files[split]
+        chosen = subset(len(paths), limits[split], seed + offset).tolist()
+        images, kept = decode_files([paths[i] for i in chosen], img_size)
+        if len(images) == 0:
+            raise layout_error(source, f"no readable images in {source}/{split}")
+        decoded[f"{split}_images"] = images
+        decoded[f"{split}_labels"] = torch.tensor([labels[i] for i in chosen], dtype=torch.int64)[kept]
+    return decoded
+
+
+def decode_cifar(source: Path, img_size: int, limits: Limits, seed: int) -> dict:
+    """CIFAR-10 python batches as {"class_names", "<split>_images", "<split>_labels"}, resized when
+    ``img_size`` is not 32; split i is subset with ``seed + i``."""
+    class_names, splits = read_cifar_batches(source)
+    decoded: dict = {"class_names": class_names}
+    for offset, (split, (images, labels)) in enumerate(splits.items()):
+        chosen = subset(len(labels), limits[split], seed + offset)
+        images = images[chosen]
+        if images.shape[-1] != img_size:
+            images = TF.resize(images, [img_size, img_size], antialias=True)
+        decoded[f"{split}_images"], decoded[f"{split}_labels"] = images.contiguous(), labels[chosen]
+    return decoded
+
+
+def decode_splits(layout: str, source: Path, img_size: int, limits: Limits, seed: int) -> dict:
+    """The data of a layout found by ``find_layout`` as {"class_names", "train_images", "train_labels",
+    "test_images", "test_labels"}."""
+    decode = decode_imagefolder if layout == "imagefolder" else decode_cifar
+    return decode(source, img_size, limits, seed)
