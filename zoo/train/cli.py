@@ -13,7 +13,11 @@ import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from zoo.train.recipe import recipe_help
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="recipe keys (configs/*.yaml, --config, --set KEY=VALUE):\n" + recipe_help())
     p.add_argument("--model", help="registered model name (zoo.list_models())")
     p.add_argument("--config", help="a YAML recipe file layered over configs/<model>.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -59,8 +63,8 @@ def main(argv=None) -> int:
 
     try:
         flags = {k: v for k, v in vars(args).items() if k not in ("model", "config", "set")}
-        cfg = resolve_config(args.model, args.config, args.set, flags)
-        run_dir = fit(cfg)
+        recipe = resolve_config(args.model, args.config, args.set, flags)
+        run_dir = fit(recipe)
     except (ValueError, MisconfigurationException) as err:  # user errors, DataError included
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2

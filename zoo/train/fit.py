@@ -1,90 +1,138 @@
-"""``fit``: one resumable training run from a resolved recipe: data, run directory, model, callbacks,
-Lightning Trainer, test, summary.json."""
+"""``fit``: one resumable training run from a resolved ``Recipe``, in named steps: the data module, the run
+directory (``runs.prepare_run_dir``), the LightningModule, the callbacks, the Lightning Trainer, the test of
+the best checkpoint and summary.json (keys in the DESIGN's run contract; accuracies are fractions in [0, 1])."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Timer, TQDMProgressBar
 
 from ..models import model_info
+from ..models.checkpoints import load_pretrained
 from .callbacks import Throughput, TimeBudget
+from .data import ImageDataModule
 from .device import resolve_accelerator, resolve_precision
 from .module import ImageClassifier
+from .recipe import Recipe, parse_max_time
+from .runs import AtomicCheckpointIO, ResumableCSVLogger, prepare_run_dir, write_json
 
 
-def fit(cfg: dict) -> Path:
-    """Train one run from a resolved config (``zoo.config.resolve_config``) and return its run directory,
-    which holds config.yaml, metrics.csv, checkpoints/{last,best}.ckpt and summary.json. With
-    ``cfg["resume"]`` ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends."""
-    from ..models.checkpoints import load_pretrained
-    from .data import ImageDataModule
-    from .recipe import parse_max_time
-    from .runs import AtomicCheckpointIO, ResumableCSVLogger, prepare_run_dir, write_json
+@dataclass(frozen=True)
+class RunPlan:
+    """A recipe with what it resolved to on this machine: the run directory and the checkpoint to resume."""
 
-    accelerator = resolve_accelerator(cfg["accelerator"], cfg["devices"])
-    precision = resolve_precision(cfg["precision"], accelerator)
+    recipe: Recipe
+    accelerator: str            # "cpu" or "gpu" ("auto" resolved)
+    precision: str              # "32", "bf16-mixed" or "16-mixed" ("auto" resolved)
+    run_dir: Path
+    resume_from: Path | None    # checkpoints/last.ckpt of a resumed run, else None
+
+
+class RunCallbacks(NamedTuple):
+    best: ModelCheckpoint       # best.ckpt by val/top1, and last.ckpt at the end of every epoch
+    throughput: Throughput
+    all: list[pl.Callback]
+
+
+def fit(recipe: Recipe) -> Path:
+    """Train one run from a resolved recipe (``zoo.train.recipe.resolve_config``) and return its run directory,
+    which holds config.yaml, metrics.csv, checkpoints/{last,best}.ckpt and summary.json. With ``recipe.resume``
+    ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends."""
+    accelerator = resolve_accelerator(recipe.accelerator, recipe.devices)
+    precision = resolve_precision(recipe.precision, accelerator)
+    dm = build_datamodule(recipe)
+    plan = RunPlan(recipe, accelerator, precision, *prepare_run_dir(recipe))
+    pl.seed_everything(recipe.seed, workers=True, verbose=False)
+    module = build_module(plan, dm.num_classes)
+    callbacks = build_callbacks(plan)
+    trainer = build_trainer(plan, callbacks.all)
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=dm, ckpt_path=str(plan.resume_from) if plan.resume_from else None)
+    fit_s = time.perf_counter() - start
+    tested = run_test(trainer, module, dm, callbacks.best)
+    if trainer.is_global_zero:
+        write_json(plan.run_dir / "summary.json", summarize(plan, trainer, callbacks, fit_s, tested))
+    return plan.run_dir
+
+
+def build_datamodule(recipe: Recipe) -> ImageDataModule:
+    """The data module, its data found (or downloaded), decoded into the cache and split."""
     dm = ImageDataModule(
-        cfg["data_dir"], download=cfg["download"], img_size=cfg["img_size"], batch_size=cfg["batch_size"],
-        eval_batch_size=cfg["eval_batch_size"], val_size=cfg["val_size"], seed=cfg["seed"],
-        augment=cfg["augment"], cache_dir=cfg["cache_dir"], max_train_images=cfg["max_train_images"],
-        max_test_images=cfg["max_test_images"])
+        recipe.data_dir, download=recipe.download, img_size=recipe.img_size, batch_size=recipe.batch_size,
+        eval_batch_size=recipe.eval_batch_size, val_size=recipe.val_size, seed=recipe.seed,
+        augment=asdict(recipe.augment), cache_dir=recipe.cache_dir, max_train_images=recipe.max_train_images,
+        max_test_images=recipe.max_test_images)
     dm.prepare_data()
     dm.setup("fit")
-    run_dir, ckpt_path = prepare_run_dir(cfg)
-    pl.seed_everything(cfg["seed"], workers=True, verbose=False)
+    return dm
 
-    channels_last = cfg["channels_last"]
+
+def build_module(plan: RunPlan, num_classes: int) -> ImageClassifier:
+    """The LightningModule around ``zoo.create_model``; a new run with ``init_from`` starts from those weights."""
+    recipe = plan.recipe
+    channels_last = recipe.channels_last
     if channels_last == "auto":
-        channels_last = accelerator == "gpu" and cfg["model"].startswith(("resnet", "hybrid"))
-    model_args = {**cfg["model_args"], "img_size": cfg["img_size"]}  # every zoo model takes img_size
+        channels_last = plan.accelerator == "gpu" and recipe.model.startswith(("resnet", "hybrid"))
+    model_args = {**recipe.model_args, "img_size": recipe.img_size}  # every zoo model takes img_size
     module = ImageClassifier(
-        cfg["model"], model_args, num_classes=dm.num_classes, lr=cfg["lr"],
-        weight_decay=cfg["weight_decay"],
-        warmup_frac=min(cfg["warmup_epochs"] / max(cfg["epochs"], 1), 1.0), min_lr_ratio=cfg["min_lr_ratio"],
-        label_smoothing=cfg["label_smoothing"], channels_last=bool(channels_last), compile=cfg["compile"])
-    if cfg["init_from"] and ckpt_path is None:
-        load_pretrained(module.model, cfg["init_from"])
+        recipe.model, model_args, num_classes=num_classes, lr=recipe.lr, weight_decay=recipe.weight_decay,
+        warmup_frac=min(recipe.warmup_epochs / max(recipe.epochs, 1), 1.0), min_lr_ratio=recipe.min_lr_ratio,
+        label_smoothing=recipe.label_smoothing, channels_last=bool(channels_last), compile=recipe.compile)
+    if recipe.init_from and plan.resume_from is None:
+        load_pretrained(module.model, recipe.init_from)
+    return module
 
-    ckpt_dir = run_dir / "checkpoints"
+
+def build_callbacks(plan: RunPlan) -> RunCallbacks:
+    """Checkpoints (best by val/top1, last every N steps), throughput, progress, LR log, the time budget."""
+    recipe, ckpt_dir = plan.recipe, plan.run_dir / "checkpoints"
     best = ModelCheckpoint(ckpt_dir, "best", monitor="val/top1", mode="max", save_top_k=1, save_last=True,
                            enable_version_counter=False)
     steps = ModelCheckpoint(ckpt_dir, "last", save_top_k=0, save_last=True,
-                            every_n_train_steps=cfg["ckpt_every_n_steps"], enable_version_counter=False)
+                            every_n_train_steps=recipe.ckpt_every_n_steps, enable_version_counter=False)
     throughput = Throughput()
-    callbacks = [best, steps, throughput, TQDMProgressBar(refresh_rate=1 if accelerator == "cpu" else 20),
+    callbacks = [best, steps, throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
                  LearningRateMonitor("step")]
-    if cfg["max_time"]:
-        callbacks += [TimeBudget(parse_max_time(cfg["max_time"])), Timer(cfg["max_time"])]
-    logger = ResumableCSVLogger(run_dir, resume_from=ckpt_path)
+    if recipe.max_time:
+        callbacks += [TimeBudget(parse_max_time(recipe.max_time)), Timer(recipe.max_time)]
+    return RunCallbacks(best, throughput, callbacks)
 
-    trainer = pl.Trainer(
-        accelerator=accelerator, devices=cfg["devices"], strategy=cfg["strategy"], num_nodes=cfg["num_nodes"],
-        precision=precision, max_epochs=cfg["epochs"], logger=logger, callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()], limit_train_batches=cfg["limit_train_batches"],
-        limit_val_batches=cfg["limit_val_batches"], limit_test_batches=cfg["limit_test_batches"],
-        log_every_n_steps=min(50, cfg["ckpt_every_n_steps"]),
-        num_sanity_val_steps=0)
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt_path) if ckpt_path else None)
-    fit_s = time.perf_counter() - start
+
+def build_trainer(plan: RunPlan, callbacks: list[pl.Callback]) -> pl.Trainer:
+    """The Lightning Trainer: metrics.csv kept across resumes, atomic checkpoint writes, no sanity check."""
+    recipe = plan.recipe
+    return pl.Trainer(
+        accelerator=plan.accelerator, devices=recipe.devices, strategy=recipe.strategy,
+        num_nodes=recipe.num_nodes, precision=plan.precision, max_epochs=recipe.epochs,
+        logger=ResumableCSVLogger(plan.run_dir, resume_from=plan.resume_from), callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()], limit_train_batches=recipe.limit_train_batches,
+        limit_val_batches=recipe.limit_val_batches, limit_test_batches=recipe.limit_test_batches,
+        log_every_n_steps=min(50, recipe.ckpt_every_n_steps), num_sanity_val_steps=0)
+
+
+def run_test(trainer: pl.Trainer, module: ImageClassifier, dm: ImageDataModule, best: ModelCheckpoint) -> dict:
+    """Test the best checkpoint (the last weights when there is none): summary.json's test keys."""
     tested = best.best_model_path if best.best_model_path and Path(best.best_model_path).exists() else None
     results = trainer.test(module, datamodule=dm, ckpt_path=tested)[0]
+    return {"test_top1": float(results["test/top1"]), "test_top5": float(results["test/top5"]),
+            "test_loss": float(results["test/loss"]), "tested_checkpoint": Path(tested or "last").name}
 
-    if trainer.is_global_zero:
-        info = model_info(module.model)
-        write_json(run_dir / "summary.json", {
-            "model": cfg["model"], "params": info["params"], "flops": info["flops"], "precision": precision,
-            "accelerator": accelerator, "devices": trainer.num_devices * trainer.num_nodes,
-            "epochs": trainer.current_epoch, "global_step": trainer.global_step,
-            "wall_time_s": round(fit_s, 2),
-            "train_images_per_s": round(throughput.images_per_s, 1),
-            "best_val_top1": float(best.best_model_score) if best.best_model_score is not None else None,
-            "test_top1": float(results["test/top1"]), "test_top5": float(results["test/top5"]),
-            "test_loss": float(results["test/loss"]), "tested_checkpoint": Path(tested or "last").name,
-            "num_classes": dm.num_classes, "class_names": list(dm.class_names), "img_size": dm.img_size,
-            "mean": list(dm.mean), "std": list(dm.std),
-        })
-    return run_dir
+
+def summarize(plan: RunPlan, trainer: pl.Trainer, callbacks: RunCallbacks, fit_s: float, tested: dict) -> dict:
+    """summary.json: the model, hardware, training progress and speed, accuracies and the data's facts."""
+    info, dm = model_info(trainer.lightning_module.model), trainer.datamodule
+    best_score = callbacks.best.best_model_score
+    return {
+        "model": plan.recipe.model, "params": info["params"], "flops": info["flops"], "precision": plan.precision,
+        "accelerator": plan.accelerator, "devices": trainer.num_devices * trainer.num_nodes,
+        "epochs": trainer.current_epoch, "global_step": trainer.global_step, "wall_time_s": round(fit_s, 2),
+        "train_images_per_s": round(callbacks.throughput.images_per_s, 1),
+        "best_val_top1": float(best_score) if best_score is not None else None, **tested,
+        "num_classes": dm.num_classes, "class_names": list(dm.class_names), "img_size": dm.img_size,
+        "mean": list(dm.mean), "std": list(dm.std),
+    }

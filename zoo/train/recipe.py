@@ -1,80 +1,280 @@
-"""Training recipes: resolve one flat config from, lowest precedence first, the built-in defaults, the
-model's ``configs/<model>.yaml``, a ``--config FILE``, ``--set key=value`` overrides (dotted keys into
-``model_args`` / ``augment``, YAML-parsed values) and explicit command-line flags. Unknown keys raise a
-ValueError naming the valid ones."""
+"""Training recipes: one typed configuration (``Recipe``, with the augmentation in ``AugmentConfig``) whose
+fields carry their type, default, check and a doc line in one place, and its resolution from layers, lowest
+precedence first: the defaults, the model's ``zoo/configs/<model>.yaml`` (required: a registered model
+without one is an error), a ``--config FILE``, ``--set key=value`` overrides (dotted keys into ``augment`` /
+``model_args``, YAML-parsed values) and explicit command-line flags.
+
+Conventions: the keys and nesting of a recipe are those of the YAML files (``val_size``, ``augment.mixup_alpha``,
+``model_args.*`` free-form for ``zoo.create_model``); a run's config.yaml is ``Recipe.to_yaml()`` and loads back
+to an equal recipe. Unknown keys raise a ValueError naming the layer and the valid keys; a wrong type or range
+raises one naming the key, what was expected and what was given. Augmentation defaults are
+``zoo.train.data.DEFAULT_AUGMENT`` (defined there only)."""
 
 from __future__ import annotations
 
 import copy
+import json
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from .data.augment import DEFAULT_AUGMENT as AUGMENT_DEFAULTS
+from .data import DEFAULT_AUGMENT
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"   # zoo/configs, shipped in the wheel
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 
-DEFAULTS: dict = {
-    # model and recipe
-    "model": None,
-    "model_args": {},          # keyword arguments of zoo.create_model (depth, drop_path_rate, ...)
-    "epochs": 100,
-    "batch_size": 128,
-    "eval_batch_size": None,
-    "lr": 1e-3,
-    "weight_decay": 0.05,
-    "warmup_epochs": 5,
-    "min_lr_ratio": 0.01,
-    "label_smoothing": 0.1,
-    "augment": AUGMENT_DEFAULTS,
+Check = Callable[[str, Any], Any]   # (dotted key, value) -> normalised value, or ValueError
+
+
+def _integer(low: int) -> Check:
+    expected = {0: "a non-negative integer", 1: "a positive integer"}[low]
+
+    def check(key: str, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{key} must be {expected}, got {value!r}")
+        return value
+    return check
+
+
+def _number(key: str, value) -> float:
+    if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{key} must be a non-negative number, got {value!r}")
+    return float(value)
+
+
+def _flag(key: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _text(key: str, value) -> str:
+    if isinstance(value, (bool, list, dict)) or value is None:
+        raise ValueError(f"{key} must be a string, got {value!r}")
+    return str(value)
+
+
+def _mapping(key: str, value) -> dict:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key} must be a mapping, got {value!r}")
+    return copy.deepcopy(dict(value))
+
+
+def _optional(check: Check) -> Check:
+    return lambda key, value: None if value is None else check(key, value)
+
+
+def _precision(key: str, value) -> str:
+    if str(value) not in PRECISIONS:
+        raise ValueError(f"{key} must be one of {', '.join(PRECISIONS)}, got {value!r}")
+    return str(value)
+
+
+def _devices(key: str, value) -> int | str:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or value == "":
+        raise ValueError(f"{key} must be auto, a number of devices or a device list like '0,1', got {value!r}")
+    return value
+
+
+def _channels_last(key: str, value) -> str | bool:
+    if value != "auto" and not isinstance(value, bool):
+        raise ValueError(f"{key} must be auto, true or false, got {value!r}")
+    return value
+
+
+def _max_time(key: str, value) -> str:
+    parse_max_time(value)
+    return str(value)
+
+
+def _limit(key: str, value) -> int | float | None:
+    try:
+        limit = parse_limit(value)
+    except ValueError:
+        limit = -1
+    if limit is not None and (isinstance(limit, bool) or limit < 0):
+        raise ValueError(f"{key} must be a batch limit: an integer (batches) or a fraction like 0.25, "
+                         f"got {value!r}")
+    return limit
+
+
+def _randaugment(key: str, value) -> dict | bool:
+    if not isinstance(value, (bool, Mapping)):
+        raise ValueError(f"{key} must be null, true, false or a mapping like {{num_ops: 2, magnitude: 9}}, "
+                         f"got {value!r}")
+    return value if isinstance(value, bool) else dict(value)
+
+
+def _field(default, doc: str, check: Check, **extra) -> Any:
+    """A dataclass field with its doc line and check in ``metadata``; mutable defaults are copied."""
+    metadata = {"doc": doc, "check": check, **extra}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    if isinstance(default, type):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _validate(config, prefix: str) -> None:
+    """Run every field's check on a (frozen) dataclass instance, storing the normalised values."""
+    for f in fields(config):
+        object.__setattr__(config, f.name, f.metadata["check"](prefix + f.name, getattr(config, f.name)))
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """Batched on-device training augmentation (``zoo.train.data``); the recipe key ``augment``."""
+
+    crop_padding: int = _field(DEFAULT_AUGMENT["crop_padding"], "zero padding (pixels) before the random crop",
+                               _integer(0))
+    hflip: bool = _field(DEFAULT_AUGMENT["hflip"], "random horizontal flip", _flag)
+    randaugment: dict | bool | None = _field(DEFAULT_AUGMENT["randaugment"],
+                                             "RandAugment: null (off), true or {num_ops: 2, magnitude: 9}",
+                                             _optional(_randaugment))
+    mixup_alpha: float = _field(DEFAULT_AUGMENT["mixup_alpha"], "mixup Beta(alpha, alpha); 0 = off", _number)
+    cutmix_alpha: float = _field(DEFAULT_AUGMENT["cutmix_alpha"], "cutmix Beta(alpha, alpha); 0 = off", _number)
+
+    def __post_init__(self):
+        _validate(self, "augment.")
+
+
+def _section(key: str, value) -> AugmentConfig:
+    if isinstance(value, AugmentConfig):
+        return value
+    if value is not None and not isinstance(value, Mapping):
+        raise ValueError(f"{key} must be a mapping, got {value!r}")
+    return _build(AugmentConfig, value or {}, "the recipe", prefix=f"{key}.")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything one training run needs; the keys of configs/*.yaml, --set and a run's config.yaml."""
+
+    # model and optimisation
+    model: str | None = _field(None, "registered model name (zoo.list_models())", _optional(_text))
+    model_args: dict = _field({}, "keyword arguments of zoo.create_model (depth, drop_path_rate, ...)", _mapping,
+                              nested=True)
+    epochs: int = _field(100, "training epochs (the LR schedule spans them)", _integer(1))
+    batch_size: int = _field(128, "training batch size per device", _integer(1))
+    eval_batch_size: int | None = _field(None, "validation / test batch size (null: batch_size)",
+                                         _optional(_integer(1)))
+    lr: float = _field(1e-3, "peak AdamW learning rate", _number)
+    weight_decay: float = _field(0.05, "AdamW weight decay (not on norms, biases, position embeddings)", _number)
+    warmup_epochs: float = _field(5.0, "linear warm-up, in epochs (fractions allowed)", _number)
+    min_lr_ratio: float = _field(0.01, "the cosine schedule ends at lr * min_lr_ratio", _number)
+    label_smoothing: float = _field(0.1, "cross-entropy label smoothing", _number)
+    augment: AugmentConfig = _field(AugmentConfig, "training augmentation (AugmentConfig)", _section,
+                                    nested=True, section=AugmentConfig)
     # data
-    "data_dir": None,
-    "download": False,
-    "img_size": 32,
-    "val_size": 5000,
-    "max_train_images": None,
-    "max_test_images": None,
-    "cache_dir": None,
+    data_dir: str | None = _field(None, "ImageFolder tree or folder holding cifar-10-batches-py (null: ./data)",
+                                  _optional(_text))
+    download: bool = _field(False, "download CIFAR-10 into data_dir when it holds no dataset", _flag)
+    img_size: int = _field(32, "images are img_size x img_size; every zoo model gets it", _integer(1))
+    val_size: int = _field(5000, "training images held out for validation", _integer(0))
+    max_train_images: int | None = _field(None, "train on a seeded subset of this many images",
+                                          _optional(_integer(1)))
+    max_test_images: int | None = _field(None, "test on a seeded subset of this many images",
+                                         _optional(_integer(1)))
+    cache_dir: str | None = _field(None, "where the decoded uint8 cache goes (null: beside the data or ~/.cache)",
+                                   _optional(_text))
     # hardware and run control
-    "seed": 0,
-    "precision": "auto",
-    "accelerator": "auto",
-    "devices": "auto",
-    "strategy": "auto",
-    "num_nodes": 1,
-    "compile": False,
-    "channels_last": "auto",
-    "max_time": None,
-    "limit_train_batches": None,
-    "limit_val_batches": None,
-    "limit_test_batches": None,
-    "ckpt_every_n_steps": 500,
-    "out": "runs",
-    "resume": None,
-    "init_from": None,
-}
-NESTED = {"augment": set(AUGMENT_DEFAULTS), "model_args": None}  # None: free-form (the model checks)
+    seed: int = _field(0, "seeds the split, the subsets, the shuffling and the weights", _integer(0))
+    precision: str = _field("auto", "auto, 32, bf16-mixed or 16-mixed", _precision)
+    accelerator: str = _field("auto", "auto, cpu or gpu", _text)
+    devices: int | str = _field("auto", "number of devices, a device list or auto", _devices)
+    strategy: str = _field("auto", "Lightning strategy: auto, ddp, ...", _text)
+    num_nodes: int = _field(1, "machines in a multi-node run", _integer(1))
+    compile: bool = _field(False, "torch.compile the model", _flag)
+    channels_last: str | bool = _field("auto", "channels-last memory (auto: conv models on GPU)", _channels_last)
+    max_time: str | None = _field(None, "wall-clock budget DD:HH:MM:SS; the LR schedule is fitted to it",
+                                  _optional(_max_time))
+    limit_train_batches: int | float | None = _field(None, "batches (int) or fraction (float) of an epoch", _limit)
+    limit_val_batches: int | float | None = _field(None, "as limit_train_batches, for validation", _limit)
+    limit_test_batches: int | float | None = _field(None, "as limit_train_batches, for the test", _limit)
+    ckpt_every_n_steps: int = _field(500, "also write checkpoints/last.ckpt every N optimizer steps", _integer(1))
+    out: str = _field("runs", "root of run directories: OUT/<model>/<run-id>/", _text)
+    resume: str | None = _field(None, "auto, a run directory or a checkpoint to continue", _optional(_text))
+    init_from: str | None = _field(None, "start from a zoo checkpoint or a timm ViT state_dict", _optional(_text))
+
+    def __post_init__(self):
+        _validate(self, "")
+
+    @classmethod
+    def from_dict(cls, data: Mapping, source: str = "the recipe") -> Recipe:
+        """A recipe from a (partial) mapping of recipe keys; absent keys take their defaults."""
+        return _build(cls, data, source)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Recipe:
+        """A recipe from a YAML file, e.g. a run's config.yaml."""
+        return _build(cls, load_yaml(path), str(path))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_yaml(self) -> str:
+        """The recipe as YAML text (what config.yaml in a run directory holds)."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-def _merge(cfg: dict, layer: dict, source: str) -> None:
-    """Merge one layer into ``cfg`` in place; ``source`` names the layer in error messages."""
+def _check_keys(cls, layer: Mapping, source: str, prefix: str = "") -> None:
+    """Unknown keys in one layer (and in its nested sections) -> ValueError naming the valid ones."""
+    by_name = {f.name: f for f in fields(cls)}
     for key, value in layer.items():
-        if key not in DEFAULTS:
-            raise ValueError(f"unknown config key {key!r} in {source}; valid keys: "
-                             + ", ".join(sorted(DEFAULTS)))
-        if key in NESTED and value is not None:
-            if not isinstance(value, dict):
-                raise ValueError(f"config key {key!r} in {source} must be a mapping, got {value!r}")
-            valid = NESTED[key]
-            unknown = set(value) - valid if valid is not None else set()
-            if unknown:
-                raise ValueError(f"unknown config key {key}.{sorted(unknown)[0]} in {source}; valid keys: "
-                                 + ", ".join(f"{key}.{k}" for k in sorted(valid)))
-            cfg[key] = {**cfg[key], **value}
+        if key not in by_name:
+            valid = ", ".join(prefix + name for name in sorted(by_name))
+            shown = f"{prefix}{key}" if prefix else repr(key)
+            raise ValueError(f"unknown config key {shown} in {source}; valid keys: {valid}")
+        if by_name[key].metadata.get("nested") and value is not None:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"config key {prefix + key!r} in {source} must be a mapping, got {value!r}")
+            if "section" in by_name[key].metadata:
+                _check_keys(by_name[key].metadata["section"], value, source, f"{prefix}{key}.")
+
+
+def _build(cls, data: Mapping, source: str, prefix: str = ""):
+    """``cls(**data)`` after checking the keys, nested sections built first (so errors name ``source``)."""
+    _check_keys(cls, data, source, prefix)
+    kwargs = dict(data)
+    for f in fields(cls):
+        section = f.metadata.get("section")
+        if section is not None and isinstance(kwargs.get(f.name, MISSING), Mapping):
+            kwargs[f.name] = _build(section, kwargs[f.name], source, f"{prefix}{f.name}.")
+    return cls(**kwargs)
+
+
+def _merge(merged: dict, layer: Mapping, source: str) -> None:
+    """Layer ``layer`` over ``merged`` in place: nested mappings merge key by key, other values replace."""
+    _check_keys(Recipe, layer, source)
+    nested = {f.name for f in fields(Recipe) if f.metadata.get("nested")}
+    for key, value in layer.items():
+        if key in nested:
+            merged[key] = {**merged.get(key, {}), **(value or {})}
         else:
-            cfg[key] = value
+            merged[key] = value
+
+
+def recipe_help() -> str:
+    """One line per recipe key with its default and doc line (the ``--help`` epilog of train.py)."""
+    lines = []
+    for cls, prefix in ((Recipe, ""), (AugmentConfig, "augment.")):
+        for f in fields(cls):
+            if f.metadata.get("section"):
+                continue
+            default = f.default if f.default is not MISSING else f.default_factory()
+            lines.append(f"  {prefix + f.name:24} {f.metadata['doc']} (default: {json.dumps(default)})")
+    return "\n".join(lines)
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -115,13 +315,15 @@ def parse_set(items: list[str] | tuple[str, ...]) -> dict:
 
 
 def model_config_path(model: str) -> Path:
+    """Where the recipe of a registered model lives: ``zoo/configs/<model>.yaml``."""
     return CONFIG_DIR / f"{model}.yaml"
 
 
 def resolve_config(model: str | None = None, config_file: str | Path | None = None, overrides=(),
-                   flags: dict | None = None) -> dict:
-    """The fully resolved flat config. ``flags`` holds explicit command-line values (None = not given)."""
-    from ..models import list_models
+                   flags: dict | None = None) -> Recipe:
+    """The resolved recipe. ``flags`` holds explicit command-line values (None = not given); the model comes
+    from ``model``, else ``--set model=``, else the ``--config`` file."""
+    from ..models import create_model, list_models
 
     file_layer = load_yaml(config_file) if config_file else {}
     set_layer = parse_set(list(overrides))
@@ -130,19 +332,17 @@ def resolve_config(model: str | None = None, config_file: str | Path | None = No
     if model is None:
         raise ValueError("no model given: pass --model NAME (one of " + ", ".join(list_models()) + ")")
     if model not in list_models():
-        from ..models import create_model
         create_model(model)  # raises the registry's ValueError with close matches
-
-    cfg = copy.deepcopy(DEFAULTS)
     model_file = model_config_path(model)
-    if model_file.is_file():
-        _merge(cfg, load_yaml(model_file), str(model_file))
-    _merge(cfg, file_layer, str(config_file))
-    _merge(cfg, set_layer, "--set")
-    _merge(cfg, flag_layer, "flags")
-    cfg["model"] = model
-    validate(cfg)
-    return cfg
+    if not model_file.is_file():
+        raise ValueError(f"no recipe for model {model!r}: expected {model_file} (every registered model ships "
+                         "zoo/configs/<model>.yaml)")
+
+    merged: dict = {}
+    for layer, source in ((load_yaml(model_file), str(model_file)), (file_layer, str(config_file)),
+                          (set_layer, "--set"), (flag_layer, "flags")):
+        _merge(merged, layer, source)
+    return Recipe.from_dict({**merged, "model": model})
 
 
 def parse_max_time(value: str) -> float:
@@ -164,29 +364,3 @@ def parse_limit(value) -> int | float | None:
     except ValueError:
         raise ValueError(f"a batch limit must be an integer (batches) or a fraction like 0.25, "
                          f"got {value!r}") from None
-
-
-def validate(cfg: dict) -> None:
-    """Type / range checks a user can get wrong; ValueError naming the key, expected and given."""
-    if str(cfg["precision"]) not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg['precision']!r}")
-    cfg["precision"] = str(cfg["precision"])
-    for key in ("epochs", "batch_size", "ckpt_every_n_steps", "num_nodes"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
-            raise ValueError(f"{key} must be a positive integer, got {cfg[key]!r}")
-    for key in ("lr", "weight_decay", "warmup_epochs", "min_lr_ratio", "label_smoothing"):
-        if not isinstance(cfg[key], (int, float)) or cfg[key] < 0:
-            raise ValueError(f"{key} must be a non-negative number, got {cfg[key]!r}")
-    for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
-        cfg[key] = parse_limit(cfg[key])
-    if cfg["max_time"] is not None:
-        parse_max_time(cfg["max_time"])
-    if cfg["channels_last"] not in ("auto", True, False):
-        raise ValueError(f"channels_last must be auto, true or false, got {cfg['channels_last']!r}")
-    if isinstance(cfg["devices"], str) and cfg["devices"] != "auto":
-        cfg["devices"] = int(cfg["devices"]) if cfg["devices"].isdigit() else cfg["devices"]
-
-
-def dump(cfg: dict) -> str:
-    """The config as YAML text (what config.yaml in a run directory holds)."""
-    return yaml.safe_dump(cfg, sort_keys=False)

@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -20,6 +21,9 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from ..atomic import atomic_write
 from ..models.checkpoints import load_checkpoint
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 RUN_DIR_ENV = "ZOO_RUN_DIR"  # the run directory rank 0 chose, inherited by the processes DDP launches
 
@@ -95,17 +99,18 @@ def _latest_resumable(model_dir: Path) -> Path | None:
     return runs[-1].parent.parent if runs else None
 
 
-def prepare_run_dir(cfg: dict) -> tuple[Path, Path | None]:
-    """Choose (and on rank 0 create) the run directory and the checkpoint to resume from.
+def prepare_run_dir(recipe: Recipe) -> tuple[Path, Path | None]:
+    """Choose (and on rank 0 create) the run directory, write its config.yaml, and find the checkpoint to
+    resume from.
 
-    ``cfg["resume"]``: None -> a new run; ``"auto"`` -> the newest run of this model under ``cfg["out"]``
+    ``recipe.resume``: None -> a new run; ``"auto"`` -> the newest run of this model under ``recipe.out``
     with a last.ckpt (a new run if there is none); a run directory or a .ckpt path -> that run.
     Processes launched by DDP inherit the choice through the ``ZOO_RUN_DIR`` environment variable, so a
     DDP run leaves exactly one run directory."""
-    out = Path(cfg["out"])
-    model_dir = out / cfg["model"]
+    out = Path(recipe.out)
+    model_dir = out / recipe.model
     inherited = os.environ.get(RUN_DIR_ENV) if os.environ.get("LOCAL_RANK", "0") != "0" else None
-    resume = cfg["resume"]
+    resume = recipe.resume
     ckpt: Path | None = None
     if inherited:
         run_dir = Path(inherited)
@@ -136,7 +141,6 @@ def prepare_run_dir(cfg: dict) -> tuple[Path, Path | None]:
     except OSError as err:
         raise ValueError(f"cannot write the run directory {run_dir} (--out {out}): {err.strerror}") from None
     os.environ[RUN_DIR_ENV] = str(run_dir)
-    from .recipe import dump
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        atomic_write(run_dir / "config.yaml", lambda f: f.write(dump(cfg).encode()))
+        atomic_write(run_dir / "config.yaml", lambda f: f.write(recipe.to_yaml().encode()))
     return run_dir, ckpt
