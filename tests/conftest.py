@@ -49,11 +49,16 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(scope="session")
-def cifar_dir() -> Path:
-    """The real CIFAR-10 folder (read-only; never write into it)."""
+def require_cifar10() -> Path:
+    """``find_cifar10()``, or pytest.skip with the reason and the places looked in when there is none."""
     folder = find_cifar10()
     if folder is None:
         pytest.skip(f"no CIFAR-10 found: set {DATA_ENV}, or put it at {CANDIDATES[0]} or {CANDIDATES[1]} "
                     "(torchvision's cifar-10-batches-py); tests never download")
     return folder
+
+
+@pytest.fixture(scope="session")
+def cifar_dir() -> Path:
+    """The real CIFAR-10 folder (read-only; never write into it)."""
+    return require_cifar10()

@@ -147,12 +147,17 @@ def test_rollout_discard_ratio_keeps_prefix_column(prefix):
 
 def test_rollout_rejects_bad_arguments():
     maps = as_maps()
-    for kwargs in [dict(head_fusion="median"), dict(discard_ratio=1.0), dict(discard_ratio=-0.1),
-                   dict(num_prefix_tokens=3)]:
-        with pytest.raises(ValueError):
+    for kwargs, match in [(dict(head_fusion="median"), r"head_fusion must be one of .*got 'median'"),
+                          (dict(discard_ratio=1.0), r"discard_ratio must be in \[0, 1\), got 1.0"),
+                          (dict(discard_ratio=-0.1), r"discard_ratio must be in \[0, 1\), got -0.1"),
+                          (dict(num_prefix_tokens=3), r"num_prefix_tokens must be in \[0, N=3\), got 3")]:
+        with pytest.raises(ValueError, match=match):
             zoo.attention_rollout(maps, **kwargs)
-    for bad in [[], maps[0], [torch.rand(1, 2, 3, 4)], [maps[0], torch.rand(1, 2, 4, 4)]]:
-        with pytest.raises(ValueError):
+    for bad, match in [([], "non-empty list of .* got list of length 0"),
+                       (maps[0], "non-empty list of .* got Tensor"),
+                       ([torch.rand(1, 2, 3, 4)], r"maps\[0\] must be \(B, H, N, N\) .* got \(1, 2, 3, 4\)"),
+                       ([maps[0], torch.rand(1, 2, 4, 4)], r"share B and N; .* maps\[1\] is \(1, 2, 4, 4\)")]:
+        with pytest.raises(ValueError, match=match):
             zoo.attention_rollout(bad)
 
 
@@ -163,10 +168,14 @@ def test_rollout_heatmap_token_row_and_patch_mean():
     # mean over rows 1..4 of columns 1..4: column j holds 5 * mean(1..4) + j = 12.5 + j
     torch.testing.assert_close(rollout_heatmap(rollout, (2, 2), 1, "avg"),
                                torch.tensor([[[13.5, 14.5], [15.5, 16.5]]]))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"num_prefix_tokens \+ gh \* gw = 0 \+ 2\*2, got \(1, 5, 5\)"):
         rollout_heatmap(rollout, (2, 2), 0, "token")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"= 1 \+ 3\*3, got \(1, 5, 5\)"):
         rollout_heatmap(rollout, (3, 3), 1, "token")
+    with pytest.raises(ValueError, match="pooling='token' needs a class token"):
+        rollout_heatmap(torch.rand(1, 4, 4), (2, 2), 0, "token")
+    with pytest.raises(ValueError, match=r"pooling must be one of .*got 'max'"):
+        rollout_heatmap(rollout, (2, 2), 1, "max")
 
 
 class OnePatchModel(nn.Module):

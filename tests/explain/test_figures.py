@@ -44,7 +44,7 @@ def test_attention_grid_labels_every_layer_and_head(tmp_path):
     assert {"layer 1, head 1", "layer 2, head 3", "query token", "key token", "vit: image 0"} <= found
     assert any("attention weight" in t for t in found)  # the colour bar
     saved_png(fig, tmp_path)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"non-empty list of \(H, N, M\) tensors, got \[\(17, 17\)\]"):
         viz.attention_grid_figure([torch.rand(17, 17)])
 
 
@@ -67,7 +67,7 @@ def test_confusion_matrix_figure_names_both_axes(tmp_path):
     assert [t.get_text() for t in ax.get_yticklabels()] == NAMES
     assert {"predicted class", "true class", "99", "images"} <= texts(fig)
     saved_png(fig, tmp_path)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"\(C, C\) = \(10, 10\) for 10 class names, got \(3, 3\)"):
         viz.confusion_matrix_figure(torch.zeros(3, 3), NAMES)
 
 

@@ -1,10 +1,8 @@
 """The hybrid CNN-attention models: grid and token shapes, the relative position bias, gradients, image-size
-rules, timm conventions, and the cost claim (FLOPs against timm's ViT; training throughput is ``slow``)."""
+rules, timm conventions, and the cost claim in FLOPs against timm's ViT (its training speed is measured by the
+benchmark suite, not asserted here)."""
 
 from __future__ import annotations
-
-import statistics
-import time
 
 import pytest
 import timm
@@ -12,6 +10,7 @@ import torch
 from torch import nn
 
 import zoo
+from zoo.bench.suite import baseline_vit
 from zoo.layers.whitening import PatchWhitening
 
 NAMES = ["hybrid_tiny", "hybrid_small"]
@@ -117,42 +116,10 @@ def test_learns_a_small_batch():
     assert losses[-1] < 0.3 * losses[0]
 
 
-def vit_reference() -> nn.Module:
-    """timm's ViT of width 192, depth 6, patch 4 on 32x32 images: the CPU baseline the hybrid must beat."""
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, depth=6,
-                             num_classes=10)
-
-
 def test_hybrid_tiny_costs_a_fraction_of_the_vit():
-    """FLOPs per image (the small form of the throughput test below): under half of the ViT's."""
+    """FLOPs per image under half of the issue's CPU baseline ViT (width 192, depth 6, patch 4). The speed
+    claim itself is a timing: ``python eval.py --bench-suite`` measures it (zoo.bench.suite.bench_hybrid_vs_vit)
+    and BENCHMARKS.md reports it."""
     hybrid = zoo.model_info(zoo.create_model("hybrid_tiny"))["flops"]
-    vit = zoo.model_info(vit_reference(), input_size=(3, 32, 32))["flops"]
+    vit = zoo.model_info(baseline_vit(), input_size=(3, 32, 32))["flops"]
     assert hybrid < 0.5 * vit
-
-
-def training_images_per_second(model: nn.Module, steps: int = 3, batch: int = 128) -> float:
-    """Median over ``steps`` (after one warm-up) of forward + backward + AdamW step, fp32, one thread,
-    counted in process CPU time so other processes on the machine do not skew it."""
-    opt = torch.optim.AdamW(model.parameters())
-    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
-    times = []
-    for _ in range(steps + 1):
-        start = time.process_time()
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        times.append(time.process_time() - start)
-    return batch / statistics.median(times[1:])
-
-
-@pytest.mark.slow
-def test_hybrid_tiny_trains_much_faster_than_the_vit_on_cpu():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        hybrid = training_images_per_second(zoo.create_model("hybrid_tiny"))
-        vit = training_images_per_second(vit_reference())
-    finally:
-        torch.set_num_threads(threads)
-    assert hybrid > 2.5 * vit, (hybrid, vit)

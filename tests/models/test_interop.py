@@ -117,7 +117,7 @@ def test_to_timm_at_another_img_size_resamples():
 def test_unsupported_timm_features_raise(kwargs, feature):
     timm_vit = TimmVisionTransformer(**{**dict(img_size=32, patch_size=4, embed_dim=32, depth=1, num_heads=2),
                                         **kwargs})
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="no equivalent of these timm ViT features") as err:
         vit_from_timm(timm_vit)
     assert feature in str(err.value)
 

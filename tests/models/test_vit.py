@@ -111,7 +111,7 @@ def test_bad_construction_raises(kwargs, match):
 @pytest.mark.parametrize("shape", [(1, 3, 64, 64), (1, 3, 32, 28), (1, 1, 32, 32), (3, 32, 32)])
 def test_wrong_input_raises_naming_both(shape):
     vit = small_vit()
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match=r"expected images of shape \(B, C, H, W\)") as err:
         vit(torch.randn(shape))
     assert "(B, 3, 32, 32)" in str(err.value) and str(tuple(shape)) in str(err.value)
 
