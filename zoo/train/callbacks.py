@@ -68,14 +68,26 @@ class TimeBudget(pl.Callback):
 
     def _refit(self, trainer, pl_module) -> None:
         steps_per_epoch = max(trainer.num_training_batches // trainer.accumulate_grad_batches, 1)
-        # before validation was measured: a forward pass costs about a third of a training step
+        # before validation was measured: a forward pass costs about a third of a training step, times the
+        # forward passes test-time augmentation makes
+        passes = getattr(pl_module, "eval_passes", 1)
         val_time = self.val_time if self.val_time is not None else (
-            self.step_time / 3 * _num_batches(trainer.num_val_batches))
-        test_time = val_time * 1.5  # test set is about as large as val; margin for loading best weights
+            self.step_time / 3 * passes * _num_batches(trainer.num_val_batches))
+        test_time = val_time * _test_to_val_ratio(trainer) + 2.0  # 2 s margin: loading the best weights
         left = self.budget_s - self.elapsed() - test_time - val_time
         more = max(int(left / (self.step_time + val_time / steps_per_epoch)), 1)
         self.total_steps = trainer.global_step + more
         pl_module.refit_schedule(self.total_steps)
+
+
+def _test_to_val_ratio(trainer) -> float:
+    """How much longer the test will take than a validation: test images over validation images (1.5 when
+    the data module does not say)."""
+    dm = getattr(trainer, "datamodule", None)
+    val, test = getattr(dm, "val_dataset", None), getattr(dm, "num_test_images", None)
+    if not val or not test:
+        return 1.5
+    return test / len(val)
 
 
 def _num_batches(counts) -> float:

@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Timer, TQDMProgressBar
+from lightning.pytorch.callbacks import (
+    LearningRateMonitor,
+    ModelCheckpoint,
+    Timer,
+    TQDMProgressBar,
+    WeightAveraging,
+)
 
 from ..models import model_info
 from ..models.checkpoints import load_pretrained
@@ -18,8 +24,11 @@ from .callbacks import Throughput, TimeBudget
 from .data import ImageDataModule
 from .device import resolve_accelerator, resolve_precision
 from .module import ImageClassifier
+from .optim import ema_avg_fn
 from .recipe import Recipe, parse_max_time
 from .runs import AtomicCheckpointIO, ResumableCSVLogger, prepare_run_dir, write_json
+
+WHITENING_IMAGES = 5000  # training images whose patches set the whitening filters (airbench uses 5,000)
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,7 @@ def fit(recipe: Recipe) -> Path:
     dm = build_datamodule(recipe)
     plan = RunPlan(recipe, accelerator, precision, *prepare_run_dir(recipe))
     pl.seed_everything(recipe.seed, workers=True, verbose=False)
-    module = build_module(plan, dm.num_classes)
+    module = build_module(plan, dm)
     callbacks = build_callbacks(plan)
     trainer = build_trainer(plan, callbacks.all)
     start = time.perf_counter()
@@ -72,24 +81,30 @@ def build_datamodule(recipe: Recipe) -> ImageDataModule:
     return dm
 
 
-def build_module(plan: RunPlan, num_classes: int) -> ImageClassifier:
-    """The LightningModule around ``zoo.create_model``; a new run with ``init_from`` starts from those weights."""
+def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
+    """The LightningModule around ``zoo.create_model``; a new run computes its patch-whitening filters (if the
+    model has any) from the training images, and one with ``init_from`` starts from those weights."""
     recipe = plan.recipe
     channels_last = recipe.channels_last
     if channels_last == "auto":
         channels_last = plan.accelerator == "gpu" and recipe.model.startswith(("resnet", "hybrid"))
     model_args = {**recipe.model_args, "img_size": recipe.img_size}  # every zoo model takes img_size
     module = ImageClassifier(
-        recipe.model, model_args, num_classes=num_classes, lr=recipe.lr, weight_decay=recipe.weight_decay,
+        recipe.model, model_args, num_classes=dm.num_classes, lr=recipe.lr, weight_decay=recipe.weight_decay,
         warmup_frac=min(recipe.warmup_epochs / max(recipe.epochs, 1), 1.0), min_lr_ratio=recipe.min_lr_ratio,
-        label_smoothing=recipe.label_smoothing, channels_last=bool(channels_last), compile=recipe.compile)
+        label_smoothing=recipe.label_smoothing, channels_last=bool(channels_last), compile=recipe.compile,
+        optimizer=recipe.optimizer, momentum=recipe.momentum, no_decay_lr_scale=recipe.no_decay_lr_scale,
+        schedule=recipe.schedule, tta=recipe.tta)
+    if plan.resume_from is None:  # a resumed run's checkpoint holds its whitening filters
+        module.fit_whitening(dm.normalize(dm.train_dataset.images[:WHITENING_IMAGES]))
     if recipe.init_from and plan.resume_from is None:
         load_pretrained(module.model, recipe.init_from)
     return module
 
 
 def build_callbacks(plan: RunPlan) -> RunCallbacks:
-    """Checkpoints (best by val/top1, last every N steps), throughput, progress, LR log, the time budget."""
+    """Checkpoints (best by val/top1, last every N steps), throughput, progress, LR log, the EMA of the weights
+    (Lightning's ``WeightAveraging``: validation, checkpoints and the test see the average), the time budget."""
     recipe, ckpt_dir = plan.recipe, plan.run_dir / "checkpoints"
     best = ModelCheckpoint(ckpt_dir, "best", monitor="val/top1", mode="max", save_top_k=1, save_last=True,
                            enable_version_counter=False)
@@ -98,6 +113,8 @@ def build_callbacks(plan: RunPlan) -> RunCallbacks:
     throughput = Throughput()
     callbacks = [best, steps, throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
                  LearningRateMonitor("step")]
+    if recipe.ema_decay:
+        callbacks.append(WeightAveraging(avg_fn=ema_avg_fn(recipe.ema_decay)))
     if recipe.max_time:
         callbacks += [TimeBudget(parse_max_time(recipe.max_time)), Timer(recipe.max_time)]
     return RunCallbacks(best, throughput, callbacks)

@@ -68,6 +68,11 @@ class ImageClassifier(pl.LightningModule):
         # first optimizer step whose loss was not finite (-1: none); a device buffer, so no host sync per step
         self.register_buffer("first_bad_step", torch.tensor(-1, dtype=torch.long), persistent=False)
 
+    @property
+    def eval_passes(self) -> int:
+        """Forward passes per validation / test image (test-time augmentation makes several)."""
+        return {0: 1, 1: 2, 2: 6}[self.hparams.tta]
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images.contiguous(memory_format=self.memory_format))
 

@@ -23,6 +23,8 @@ from typing import Any
 import yaml
 
 from .data import DEFAULT_AUGMENT
+from .optim import OPTIMIZERS, SCHEDULES
+from .tta import TTA_LEVELS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"   # zoo/configs, shipped in the wheel
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
@@ -71,6 +73,21 @@ def _mapping(key: str, value) -> dict:
 
 def _optional(check: Check) -> Check:
     return lambda key, value: None if value is None else check(key, value)
+
+
+def _choice(options: tuple) -> Check:
+    def check(key: str, value):
+        if value not in options or isinstance(value, bool):
+            raise ValueError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
+        return value
+    return check
+
+
+def _unit_interval(key: str, value) -> float:
+    value = _number(key, value)
+    if value >= 1:
+        raise ValueError(f"{key} must lie in [0, 1), got {value!r}")
+    return value
 
 
 def _precision(key: str, value) -> str:
@@ -139,6 +156,8 @@ class AugmentConfig:
     crop_padding: int = _field(DEFAULT_AUGMENT["crop_padding"], "zero padding (pixels) before the random crop",
                                _integer(0))
     hflip: bool = _field(DEFAULT_AUGMENT["hflip"], "random horizontal flip", _flag)
+    alternating_flip: bool = _field(DEFAULT_AUGMENT["alternating_flip"],
+                                    "with hflip: mirror each image in alternate epochs (airbench)", _flag)
     randaugment: dict | bool | None = _field(DEFAULT_AUGMENT["randaugment"],
                                              "RandAugment: null (off), true or {num_ops: 2, magnitude: 9}",
                                              _optional(_randaugment))
@@ -169,11 +188,19 @@ class Recipe:
     batch_size: int = _field(128, "training batch size per device", _integer(1))
     eval_batch_size: int | None = _field(None, "validation / test batch size (null: batch_size)",
                                          _optional(_integer(1)))
-    lr: float = _field(1e-3, "peak AdamW learning rate", _number)
-    weight_decay: float = _field(0.05, "AdamW weight decay (not on norms, biases, position embeddings)", _number)
+    optimizer: str = _field("adamw", "adamw or sgd (Nesterov momentum)", _choice(OPTIMIZERS))
+    lr: float = _field(1e-3, "peak learning rate", _number)
+    momentum: float = _field(0.9, "SGD's Nesterov momentum", _number)
+    weight_decay: float = _field(0.05, "weight decay (not on norms, biases, position embeddings)", _number)
+    no_decay_lr_scale: float = _field(1.0, "learning-rate multiplier of norms, biases and position tables",
+                                      _number)
+    schedule: str = _field("cosine", "decay after the warm-up: cosine or linear", _choice(SCHEDULES))
     warmup_epochs: float = _field(5.0, "linear warm-up, in epochs (fractions allowed)", _number)
-    min_lr_ratio: float = _field(0.01, "the cosine schedule ends at lr * min_lr_ratio", _number)
+    min_lr_ratio: float = _field(0.01, "the decay ends at lr * min_lr_ratio", _number)
     label_smoothing: float = _field(0.1, "cross-entropy label smoothing", _number)
+    ema_decay: float = _field(0.0, "EMA of the weights (decay warming up to this); 0 = off", _unit_interval)
+    tta: int = _field(0, "test-time augmentation of validation and test: 0 none, 1 mirror, 2 mirror + shifts",
+                      _choice(TTA_LEVELS))
     augment: AugmentConfig = _field(AugmentConfig, "training augmentation (AugmentConfig)", _section,
                                     nested=True, section=AugmentConfig)
     # data

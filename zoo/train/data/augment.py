@@ -2,8 +2,10 @@
 (vectorised over the batch, no loop over images), optional RandAugment (Cubuk et al. 2019,
 https://arxiv.org/abs/1909.13719, one draw of ops per batch, on uint8), then mixup (Zhang et al. 2017,
 https://arxiv.org/abs/1710.09412) and cutmix (Yun et al. 2019, https://arxiv.org/abs/1905.04899) on the
-normalised float batch, which turn the labels into (B, num_classes) float probabilities. ``DEFAULT_AUGMENT``
-is the one definition of the augmentation settings and their defaults (the recipes read it too)."""
+normalised float batch, which turn the labels into (B, num_classes) float probabilities. With
+``alternating_flip`` (airbench) the dataset mirrors each image in alternate epochs from a seeded random start
+(``AlternatingFlip``) instead of a fresh coin per batch, so every image is seen both ways every two epochs.
+``DEFAULT_AUGMENT`` is the one definition of the augmentation settings and their defaults (the recipes read it too)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import torch
 from torchvision.transforms import v2
 
 DEFAULT_AUGMENT = {
-    "crop_padding": 4, "hflip": True, "randaugment": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
+    "crop_padding": 4, "hflip": True, "alternating_flip": False, "randaugment": None, "mixup_alpha": 0.0,
+    "cutmix_alpha": 0.0,
 }
 RANDAUGMENT_DEFAULTS = {"num_ops": 2, "magnitude": 9}
 
@@ -81,6 +84,20 @@ def make_mix(config: dict, num_classes: int) -> v2.Transform | None:
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
 
 
+class AlternatingFlip:
+    """Which of N images to mirror in an epoch: a seeded random half in even epochs, the other half in odd
+    ones. ``epoch`` is a callable returning the current epoch (the trainer's), read at every batch."""
+
+    def __init__(self, num_images: int, seed: int, epoch: Callable[[], int]):
+        self.start = torch.rand(num_images, generator=torch.Generator().manual_seed(seed)) < 0.5
+        self.epoch = epoch
+
+    def __call__(self, images: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) of dataset rows ``index`` (B,), mirrored where this epoch says so."""
+        flip = self.start.to(index.device)[index] ^ bool(self.epoch() % 2)
+        return random_hflip(images, flip)
+
+
 class BatchAugment:
     """The training transform of a uint8 batch: crop, flip, RandAugment (uint8), normalise, mixup/cutmix.
 
@@ -91,7 +108,8 @@ class BatchAugment:
 
     def __init__(self, augment: dict | None, num_classes: int):
         self.config = augment_config(augment)
-        self.crop_padding, self.hflip = self.config["crop_padding"], self.config["hflip"]
+        self.crop_padding = self.config["crop_padding"]
+        self.hflip = self.config["hflip"] and not self.config["alternating_flip"]  # else the dataset flips
         args = randaugment_args(self.config["randaugment"])
         self.randaugment = v2.RandAugment(**args) if args is not None else None
         self.mix = make_mix(self.config, num_classes)

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .augment import BatchAugment, augment_config
+from .augment import AlternatingFlip, BatchAugment, augment_config
 from .cache import cache_path, load_or_build
 from .layout import find_layout
 
@@ -25,8 +25,8 @@ class _TensorBatches(Dataset):
     """Images uint8 (N, 3, H, W) and labels int64 (N,) in memory; ``__getitems__`` returns a whole batch as
     ``(images, labels)`` in one indexing op, so a plain (or Lightning's distributed) sampler drives it."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
-        self.images, self.labels = images, labels
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, flip: AlternatingFlip | None = None):
+        self.images, self.labels, self.flip = images, labels, flip
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -36,7 +36,8 @@ class _TensorBatches(Dataset):
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.as_tensor(indices, device=self.labels.device)
-        return self.images[index], self.labels[index]
+        images = self.images[index]
+        return (images if self.flip is None else self.flip(images, index)), self.labels[index]
 
 
 def _as_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,11 +163,22 @@ class ImageDataModule(pl.LightningDataModule):
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
             val_idx, train_idx = order[: self.val_size].sort().values, order[self.val_size:].sort().values
             images, labels = cache["train_images"], cache["train_labels"]
-            self.train_dataset = _TensorBatches(images[train_idx].to(device), labels[train_idx].to(device))
+            flip = None
+            if self.augment_config["hflip"] and self.augment_config["alternating_flip"]:
+                flip = AlternatingFlip(len(train_idx), self.seed, self._current_epoch)
+            self.train_dataset = _TensorBatches(images[train_idx].to(device), labels[train_idx].to(device), flip)
             self.val_dataset = _TensorBatches(images[val_idx].to(device), labels[val_idx].to(device))
         if stage in (None, "test", "predict"):
             images, labels = cache["test_images"], cache["test_labels"]
             self.test_dataset = _TensorBatches(images.to(device), labels.to(device))
+
+    @property
+    def num_test_images(self) -> int | None:
+        """Images in the test split (known once the data is read), whether or not it is set up."""
+        return None if self._cache is None else len(self._cache["test_labels"])
+
+    def _current_epoch(self) -> int:
+        return self.trainer.current_epoch if self.trainer is not None else 0
 
     def _cache_device(self) -> torch.device:
         if self.device_cache != "auto":
