@@ -72,3 +72,18 @@ def test_tta_levels_by_hand():
         assert torch.allclose(tta_logits(model, x, 2), expected, atol=1e-6)
     with pytest.raises(ValueError, match="tta level must be one of"):
         tta_logits(model, x, 3)
+
+
+def test_auto_precision_follows_the_cpu_flags(tmp_path, monkeypatch):
+    from zoo.train import device
+
+    plain, bf16 = tmp_path / "plain", tmp_path / "bf16"
+    plain.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n")
+    bf16.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n")
+    assert not device.cpu_has_native_bf16(str(plain)) and device.cpu_has_native_bf16(str(bf16))
+    assert not device.cpu_has_native_bf16(str(tmp_path / "missing"))
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    assert device.resolve_precision("auto", "cpu") == "32"
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    assert device.resolve_precision("auto", "cpu") == "bf16-mixed"
+    assert device.resolve_precision("16-mixed", "cpu") == "16-mixed"
