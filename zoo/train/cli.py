@@ -29,7 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--precision",
-                   help="auto (GPU: bf16-mixed or 16-mixed, CPU: 32), 32, bf16-mixed, 16-mixed")
+                   help="auto (GPU: bf16-mixed or 16-mixed; CPU: bf16-mixed with native bf16, else 32), 32, "
+                   "bf16-mixed, 16-mixed")
     p.add_argument("--accelerator", help="auto, cpu, gpu")
     p.add_argument("--devices", help="number of devices, or auto")
     p.add_argument("--strategy", help="auto, ddp, ...")
