@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-nodes", type=int)
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     p.add_argument("--channels-last", action="store_true", default=None,
-                   help="channels-last memory format (automatic for conv models on GPU)")
+                   help="channels-last memory format (automatic for the conv models resnet* and hybrid*)")
     p.add_argument("--max-time", help="wall-clock budget DD:HH:MM:SS; the LR schedule is fitted to it")
     p.add_argument("--limit-train-batches", help="integer = batches per epoch, 0.25 = a fraction")
     p.add_argument("--limit-val-batches")

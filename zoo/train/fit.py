@@ -87,7 +87,7 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
     recipe = plan.recipe
     channels_last = recipe.channels_last
     if channels_last == "auto":
-        channels_last = plan.accelerator == "gpu" and recipe.model.startswith(("resnet", "hybrid"))
+        channels_last = recipe.model.startswith(("resnet", "hybrid"))  # conv models: measured faster on CPU too
     model_args = {**recipe.model_args, "img_size": recipe.img_size}  # every zoo model takes img_size
     module = ImageClassifier(
         recipe.model, model_args, num_classes=dm.num_classes, lr=recipe.lr, weight_decay=recipe.weight_decay,

@@ -223,7 +223,7 @@ class Recipe:
     strategy: str = _field("auto", "Lightning strategy: auto, ddp, ...", _text)
     num_nodes: int = _field(1, "machines in a multi-node run", _integer(1))
     compile: bool = _field(False, "torch.compile the model", _flag)
-    channels_last: str | bool = _field("auto", "channels-last memory (auto: conv models on GPU)", _channels_last)
+    channels_last: str | bool = _field("auto", "channels-last memory (auto: resnet*, hybrid*)", _channels_last)
     max_time: str | None = _field(None, "wall-clock budget DD:HH:MM:SS; the LR schedule is fitted to it",
                                   _optional(_max_time))
     limit_train_batches: int | float | None = _field(None, "batches (int) or fraction (float) of an epoch", _limit)
