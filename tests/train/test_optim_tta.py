@@ -87,3 +87,26 @@ def test_auto_precision_follows_the_cpu_flags(tmp_path, monkeypatch):
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
     assert device.resolve_precision("auto", "cpu") == "bf16-mixed"
     assert device.resolve_precision("16-mixed", "cpu") == "16-mixed"
+
+
+def test_alternating_flip_mirrors_each_image_in_every_other_epoch():
+    from zoo.train.data.augment import AlternatingFlip
+
+    epoch = {"now": 0}
+    flip = AlternatingFlip(64, seed=3, epoch=lambda: epoch["now"])
+    images = torch.arange(64 * 2 * 3, dtype=torch.float32).view(64, 1, 2, 3)
+    index = torch.arange(64)
+    seen = []
+    for e in range(4):
+        epoch["now"] = e
+        out = flip(images, index)
+        mirrored = (out == images.flip(-1)).flatten(1).all(1)
+        assert torch.equal(out[mirrored], images.flip(-1)[mirrored])
+        assert torch.equal(out[~mirrored], images[~mirrored])
+        seen.append(mirrored)
+    assert torch.equal(seen[0], ~seen[1]) and torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[3])
+    assert 16 < int(seen[0].sum()) < 48  # a random half, not all or none
+    again = AlternatingFlip(64, seed=3, epoch=lambda: 0)(images, index)
+    assert torch.equal(again, flip(images, index) if epoch.update(now=0) is None else None)
+    subset = torch.tensor([5, 9])
+    assert torch.equal(flip(images[subset], subset), flip(images, index)[subset])

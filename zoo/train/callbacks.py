@@ -13,11 +13,12 @@ from .device import synchronize
 
 
 class TimeBudget(pl.Callback):
-    """Fits the LR schedule to a wall-clock budget and stops training in time for the test.
+    """Fits the LR schedule to a wall-clock budget for the fit (training and validation, as Lightning's
+    ``max_time``; the final test runs after it) and stops training when the budget is spent.
 
     After ``measure_steps`` optimizer steps it measures the step time, estimates how many steps fit in what
-    is left of ``budget_s`` once validation (one pass per epoch) and the final test are paid for, and
-    re-fits warm-up + cosine to that; it re-fits after every validation with the measured validation time,
+    is left of ``budget_s`` once validation (one pass per epoch, test-time augmentation included) is paid for,
+    and re-fits warm-up + decay to that; it re-fits after every validation with the measured validation time,
     and stops training when the fitted step count is reached. Its state travels in checkpoints."""
 
     def __init__(self, budget_s: float, measure_steps: int = 20, skip_steps: int = 5):
@@ -73,21 +74,10 @@ class TimeBudget(pl.Callback):
         passes = getattr(pl_module, "eval_passes", 1)
         val_time = self.val_time if self.val_time is not None else (
             self.step_time / 3 * passes * _num_batches(trainer.num_val_batches))
-        test_time = val_time * _test_to_val_ratio(trainer) + 2.0  # 2 s margin: loading the best weights
-        left = self.budget_s - self.elapsed() - test_time - val_time
+        left = self.budget_s - self.elapsed() - val_time  # the budget is the fit's, as Lightning's max_time
         more = max(int(left / (self.step_time + val_time / steps_per_epoch)), 1)
         self.total_steps = trainer.global_step + more
         pl_module.refit_schedule(self.total_steps)
-
-
-def _test_to_val_ratio(trainer) -> float:
-    """How much longer the test will take than a validation: test images over validation images (1.5 when
-    the data module does not say)."""
-    dm = getattr(trainer, "datamodule", None)
-    val, test = getattr(dm, "val_dataset", None), getattr(dm, "num_test_images", None)
-    if not val or not test:
-        return 1.5
-    return test / len(val)
 
 
 def _num_batches(counts) -> float:

@@ -172,11 +172,6 @@ class ImageDataModule(pl.LightningDataModule):
             images, labels = cache["test_images"], cache["test_labels"]
             self.test_dataset = _TensorBatches(images.to(device), labels.to(device))
 
-    @property
-    def num_test_images(self) -> int | None:
-        """Images in the test split (known once the data is read), whether or not it is set up."""
-        return None if self._cache is None else len(self._cache["test_labels"])
-
     def _current_epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer is not None else 0
 
