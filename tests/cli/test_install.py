@@ -63,7 +63,8 @@ def test_wheel_installs_and_zoo_train_uses_the_packaged_recipe(cifar_dir, tmp_pa
     defaults = Recipe()
     assert recipe["model_args"]["drop_path_rate"] > 0 and recipe["warmup_epochs"] != defaults.warmup_epochs
     assert recipe["augment"] != asdict(defaults.augment)        # the recipe differs from the built-in defaults
-    assert config["model_args"] == recipe["model_args"] and config["augment"] == recipe["augment"]
+    assert config["model_args"] == recipe["model_args"]
+    assert config["augment"] == {**asdict(defaults.augment), **recipe["augment"]}   # recipe over the defaults
     for key in ("lr", "weight_decay", "warmup_epochs", "min_lr_ratio", "label_smoothing"):
         assert config[key] == recipe[key], key
     assert (config["epochs"], config["batch_size"], config["val_size"]) == (1, 64, 64)    # flags and --set
