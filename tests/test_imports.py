@@ -178,8 +178,6 @@ def test_few_modules_at_the_top():
     assert len(top) <= 3, top
 
 
-# Files over the limit that are being split elsewhere; an entry must go once its file is small enough.
-KNOWN_OVERSIZED = {"zoo/train/data/module.py"}
 MAX_LINES = 400
 
 
@@ -187,9 +185,7 @@ def test_no_module_over_400_lines():
     lines = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in MODULES}
     biggest = max(lines, key=lines.get)
     over = {p: n for p, n in lines.items() if n > MAX_LINES}
-    assert set(over) - KNOWN_OVERSIZED == set(), f"over {MAX_LINES} lines: {over} (biggest: {biggest})"
-    stale = KNOWN_OVERSIZED - set(over)
-    assert not stale, f"{sorted(stale)} now within {MAX_LINES} lines: remove from KNOWN_OVERSIZED"
+    assert over == {}, f"over {MAX_LINES} lines: {over} (biggest: {biggest})"
 
 
 @pytest.mark.parametrize("init", sorted(ZOO.rglob("__init__.py")), ids=lambda p: str(p.relative_to(REPO)))
