@@ -169,3 +169,13 @@ def test_init_from_a_timm_vit_state_dict_at_another_img_size(tmp_path):
     torch.testing.assert_close(model.blocks[1].attn.qkv.weight, source.blocks[1].attn.qkv.weight)
     with pytest.raises(ValueError, match="no weight matches"):
         load_pretrained(zoo.create_model("resnet18"), tmp_path / "timm_vit.pth")
+
+
+def test_fit_whitening_sets_the_filters_from_images_and_they_are_saved():
+    module = ImageClassifier("hybrid_tiny", {}, num_classes=10)
+    (layer,) = module.whitening_layers
+    before = layer.weight.clone()
+    module.fit_whitening(torch.randn(64, 3, 32, 32) * torch.tensor([1.0, 2.0, 0.5]).view(1, 3, 1, 1))
+    assert not torch.equal(layer.weight, before)
+    assert torch.equal(module.state_dict()["model.stem.0.weight"], layer.weight)
+    assert ImageClassifier("vit_nano", TINY, num_classes=10).whitening_layers == []

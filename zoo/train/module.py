@@ -117,14 +117,16 @@ class ImageClassifier(pl.LightningModule):
         for logger in self.loggers:
             logger.save()  # metrics.csv keeps the history up to every checkpoint, even if the run is killed
 
+    @property
+    def whitening_layers(self) -> list[PatchWhitening]:
+        """The model's patch-whitening layers (they sit at its input), whose filters come from data."""
+        return [m for m in self.model.modules() if isinstance(m, PatchWhitening)]
+
     @torch.no_grad()
-    def fit_whitening(self, images: torch.Tensor) -> int:
-        """Compute every ``PatchWhitening`` filter of the model from (N, C, H, W) normalised training images
-        (such layers sit at the model's input). Returns how many layers were fitted."""
-        layers = [m for m in self.model.modules() if isinstance(m, PatchWhitening)]
-        for layer in layers:
+    def fit_whitening(self, images: torch.Tensor) -> None:
+        """Compute every whitening filter of the model from (N, C, H, W) normalised training images."""
+        for layer in self.whitening_layers:
             layer.fit(images.to(layer.weight.device))
-        return len(layers)
 
     def configure_optimizers(self):
         hp = self.hparams
