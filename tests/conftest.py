@@ -8,6 +8,8 @@ directory."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,17 @@ def require_cifar10() -> Path:
 def cifar_dir() -> Path:
     """The real CIFAR-10 folder (read-only; never write into it)."""
     return require_cifar10()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(cifar_dir, tmp_path_factory):
+    """A vit_nano run trained for 2 steps on 128 real images, tested on 32 (Lightning's test loop)."""
+    root = tmp_path_factory.mktemp("runs")
+    cmd = [sys.executable, "train.py", "--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1",
+           "--max-train-images", "128", "--max-test-images", "32", "--limit-train-batches", "2",
+           "--limit-val-batches", "1", "--batch-size", "32", "--set", "val_size=32", "--out", str(root),
+           "--cache-dir", str(root / "cache")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = (root / "vit_nano").iterdir()
+    return run

@@ -17,25 +17,12 @@ import pytest
 import torch
 
 from zoo.explain.report import most_confused
+from zoo.models import model_card, shipped_models
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("eval_cli", REPO / "eval.py")
 eval_cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(eval_cli)
-
-
-@pytest.fixture(scope="session")
-def tiny_run(cifar_dir, tmp_path_factory):
-    """A vit_nano run trained for 2 steps on 128 real images, tested on 32 (Lightning's test loop)."""
-    root = tmp_path_factory.mktemp("runs")
-    cmd = [sys.executable, "train.py", "--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1",
-           "--max-train-images", "128", "--max-test-images", "32", "--limit-train-batches", "2",
-           "--limit-val-batches", "1", "--batch-size", "32", "--set", "val_size=32", "--out", str(root),
-           "--cache-dir", str(root / "cache")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (run,) = (root / "vit_nano").iterdir()
-    return run
 
 
 def test_eval_writes_metrics_figures_maps_and_deletion(tiny_run, tmp_path, capsys):
@@ -99,7 +86,8 @@ def test_bad_inputs_exit_2_with_one_line(tiny_run, tmp_path, capsys):
     empty_run.mkdir()
     cases = [["--checkpoint", str(tmp_path / "missing.ckpt")], ["--checkpoint", str(truncated)],
              ["--checkpoint", str(foreign)], ["--checkpoint", str(empty_run)],
-             ["--checkpoint", str(tiny_run), "--data-dir", str(tmp_path / "no-data")]]
+             ["--checkpoint", str(tiny_run), "--data-dir", str(tmp_path / "no-data")],
+             ["--pretrained", "vit_tiny"], ["--pretrained", "no_such_model"]]
     for args in cases:
         assert eval_cli.main([*args, "--out", str(tmp_path / "out")]) == 2, args
         err = capsys.readouterr().err
@@ -107,6 +95,17 @@ def test_bad_inputs_exit_2_with_one_line(tiny_run, tmp_path, capsys):
     done = subprocess.run([sys.executable, "eval.py", "--checkpoint", str(foreign), "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("name", shipped_models())
+def test_eval_pretrained_needs_no_run(name, cifar_dir, tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert eval_cli.main(["--pretrained", name, "--data-dir", str(cifar_dir), "--out", str(out),
+                          "--max-test-images", "300", "--attention", "--num-images", "1"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["model"] == name and metrics["num_images"] == 300
+    assert metrics["test_top1"] == pytest.approx(model_card(name)["test_top1"], abs=0.08)  # 300 images: ~3.5 s.e.
+    assert (out / "attention").is_dir()
 
 
 def test_most_confused_pairs():

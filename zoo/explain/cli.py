@@ -2,6 +2,7 @@
 
     python eval.py --checkpoint runs/vit_tiny/<run-id> --out eval/vit_tiny [--attention --num-images 8]
                    [--deletion] [--benchmark] [--data-dir DIR] [--max-test-images N] [--batch-size B]
+    python eval.py --pretrained hybrid_tiny --data-dir DIR --out eval/hybrid_tiny [--attention ...]
     python eval.py --compare runs/vit_tiny/<id> runs/resnet18_cbam/<id> --out eval/compare
     python eval.py --bench-suite --out bench [--data-dir DIR]
 
@@ -19,6 +20,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", metavar="CKPT_OR_RUN_DIR", help="a run directory or a .ckpt file")
+    what.add_argument("--pretrained", metavar="NAME",
+                      help="a model whose weights ship with the zoo (zoo.models.shipped_models()); no run needed")
     what.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="run directories to compare")
     what.add_argument("--bench-suite", action="store_true",
                       help="the benchmark suite: attention op and vit_tiny vs timm, memory per backend, MFU, "
@@ -59,7 +62,8 @@ def main(argv=None) -> int:
                                 deletion_images=min(args.deletion_images, 64))
             print(open(f"{args.out}/compare.md").read())
             return 0
-        report = evaluate_run(args.checkpoint, args.out, data_dir=args.data_dir, batch_size=args.batch_size,
+        report = evaluate_run(args.checkpoint, args.out, pretrained=args.pretrained, data_dir=args.data_dir,
+                              batch_size=args.batch_size,
                               max_test_images=args.max_test_images,
                               attention_images=args.num_images if args.attention else 0,
                               deletion_images=args.deletion_images if args.deletion else 0,

@@ -18,7 +18,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from ..bench.timing import benchmark_model, measure_inference
-from ..models.checkpoints import load_run
+from ..models.checkpoints import load_run, load_shipped
 from ..train.data import ImageDataModule
 from ..train.runs import write_json
 from . import figures as viz
@@ -139,18 +139,22 @@ def run_deletion(model: nn.Module, dm: ImageDataModule, num_images: int, out: Pa
     return result
 
 
-def evaluate_run(checkpoint: str | Path, out: str | Path, *, data_dir: str | None = None,
+def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: str | None = None,
+                 data_dir: str | None = None,
                  batch_size: int = 256, max_test_images: int | None = None, attention_images: int = 0,
                  deletion_images: int = 0, benchmark: bool = False, precision: str = "32",
                  device: str | None = None) -> dict:
-    """Everything ``eval.py --checkpoint`` does. Writes into ``out``: metrics.json and confusion_matrix.png;
-    with ``attention_images`` an attention/ folder; with ``deletion_images`` deletion.json/.png; with
-    ``benchmark`` benchmark.json. Returns {"metrics", "deletion", "benchmark"} (None where not asked)."""
+    """Everything ``eval.py --checkpoint`` (or ``--pretrained NAME``: a shipped model, no run) does. Writes
+    into ``out``: metrics.json and confusion_matrix.png; with ``attention_images`` an attention/ folder; with
+    ``deletion_images`` deletion.json/.png; with ``benchmark`` benchmark.json. Returns {"metrics",
+    "deletion", "benchmark"} (None where not asked)."""
     out = Path(out)
-    model, meta = load_run(checkpoint)
+    model, meta = load_shipped(pretrained) if pretrained else load_run(checkpoint)
     model.to(device or "cpu")
     name = meta["model_name"]
     dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=max_test_images)
+    if pretrained:  # normalised as the weights were trained, whatever the statistics of this copy of the data
+        dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
     metrics, matrix = evaluate(model, dm)
     metrics = {"model": name, "checkpoint": meta["ckpt_path"], **metrics}
     write_json(out / "metrics.json", metrics)

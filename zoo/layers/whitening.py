@@ -17,30 +17,39 @@ from torch import nn
 
 class PatchWhitening(nn.Module):
     """k x k stride-1 conv, no padding, with frozen whitening filters: (B, in_chans, H, W) ->
-    (B, 2 * in_chans * k * k, H - k + 1, W - k + 1).
+    (B, 2 * num_filters, H - k + 1, W - k + 1).
 
     Args:
         in_chans: input channels.
         kernel_size: patch side k.
+        num_filters: whitening filters kept (each used with both signs); default ``in_chans * k * k``, the
+            patch dimension. Fewer keeps the leading eigenvectors; more pads with zero filters. Fixing it lets
+            a model keep its width when ``in_chans`` changes (timm adapts pretrained first convs that way).
         eps: added to the eigenvalues before the inverse square root (images in normalised units).
     """
 
-    def __init__(self, in_chans: int = 3, kernel_size: int = 2, eps: float = 5e-4):
+    def __init__(self, in_chans: int = 3, kernel_size: int = 2, num_filters: int | None = None,
+                 eps: float = 5e-4):
         super().__init__()
         if not isinstance(in_chans, int) or in_chans < 1:
             raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
         if not isinstance(kernel_size, int) or kernel_size < 1:
             raise ValueError(f"kernel_size must be a positive int, got {kernel_size!r}")
-        self.in_chans, self.kernel_size, self.eps = in_chans, kernel_size, eps
         dim = in_chans * kernel_size * kernel_size
-        self.out_chans = 2 * dim
+        num_filters = dim if num_filters is None else num_filters
+        if not isinstance(num_filters, int) or num_filters < 1:
+            raise ValueError(f"num_filters must be a positive int, got {num_filters!r}")
+        self.in_chans, self.kernel_size, self.num_filters, self.eps = in_chans, kernel_size, num_filters, eps
+        self.out_chans = 2 * num_filters
         basis = torch.linalg.qr(torch.randn(dim, dim, generator=torch.Generator().manual_seed(0)))[0]
         self.register_buffer("weight", self._signed(basis.T))
         self.bias = nn.Parameter(torch.zeros(self.out_chans))
 
     def _signed(self, filters: torch.Tensor) -> torch.Tensor:
-        """(dim, dim) rows of filters -> (2 * dim, in_chans, k, k): each filter and its negation."""
+        """(dim, dim) rows of filters, leading first -> (2 * num_filters, in_chans, k, k): the first
+        ``num_filters`` (zero rows added when there are fewer) and their negations."""
         k = self.kernel_size
+        filters = F.pad(filters[:self.num_filters], (0, 0, 0, max(self.num_filters - len(filters), 0)))
         filters = filters.reshape(-1, self.in_chans, k, k)
         return torch.cat([filters, -filters])
 
@@ -52,7 +61,7 @@ class PatchWhitening(nn.Module):
             raise ValueError(f"fit expects float images (N, {self.in_chans}, H, W), got "
                              f"{tuple(images.shape)} {images.dtype}")
         x = images[:max_images].to(torch.float64)
-        patches = F.unfold(x, self.kernel_size).transpose(1, 2).reshape(-1, self.out_chans // 2)  # (P, dim)
+        patches = F.unfold(x, self.kernel_size).transpose(1, 2).flatten(0, 1)  # (P, dim)
         patches = patches - patches.mean(dim=0)
         cov = patches.T @ patches / len(patches)
         eigenvalues, eigenvectors = torch.linalg.eigh(cov)

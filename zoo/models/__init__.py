@@ -4,7 +4,8 @@ trained weights back (``checkpoints``) and moving ViT weights to and from timm (
 einops, timm and ``zoo.layers`` only; importing it registers every entry point."""
 
 from . import hybrid, resnet, vit  # noqa: F401  (register the hybrid_*, resnet*, vit_* entry points)
-from .checkpoints import load_pretrained, load_run
-from .registry import create_model, list_models, model_info, register_model
+from .checkpoints import load_pretrained, load_run, load_shipped
+from .registry import create_model, list_models, model_card, model_info, register_model, shipped_models
 
-__all__ = ["create_model", "list_models", "load_pretrained", "load_run", "model_info", "register_model"]
+__all__ = ["create_model", "list_models", "load_pretrained", "load_run", "load_shipped", "model_card", "model_info",
+           "register_model", "shipped_models"]

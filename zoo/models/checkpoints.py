@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .registry import create_model
+from .registry import create_model, model_card, shipped_models
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -71,6 +71,21 @@ def load_run(path: str | Path) -> tuple[nn.Module, dict]:
         "model_args": dict(hp.get("model_args") or {}),
         "num_classes": hp["num_classes"], "global_step": ckpt.get("global_step"), "epoch": ckpt.get("epoch"),
     }
+    return model, meta
+
+
+def load_shipped(name: str) -> tuple[nn.Module, dict]:
+    """``(model in eval mode on CPU, meta)`` for a model whose weights ship with the zoo, as ``load_run`` gives
+    for a run: ``meta`` has "model_name", "ckpt_path" ("pretrained:<name>"), "summary" (the model card), and
+    "config" with the image size and (None) data folder. Unknown / unshipped name -> ValueError."""
+    key = name.removeprefix("zoo_")
+    card = model_card(key)
+    if card is None:
+        raise ValueError(f"the zoo ships no weights for {name!r}; shipped: {', '.join(shipped_models()) or 'none'}")
+    model = create_model(key, pretrained=True).eval()
+    meta = {"model_name": key, "ckpt_path": f"pretrained:{key}", "summary": card, "model_args": {},
+            "config": {"img_size": card["img_size"], "data_dir": None}, "num_classes": card["num_classes"],
+            "global_step": card.get("global_step"), "epoch": card.get("epochs")}
     return model, meta
 
 

@@ -80,8 +80,10 @@ class HybridNet(nn.Module):
         self.grid_size = (self.img_size[0] // stride, self.img_size[1] // stride)
         self.in_chans = in_chans
         self.num_classes = num_classes
-        self.num_features = self.embed_dim = embed_dim
-        whiten = PatchWhitening(in_chans, kernel_size=2)
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        # 12 whitening filters (an RGB 2x2 patch's dimension) whatever in_chans is: the width after the stem's
+        # first layer stays fixed, so timm can adapt pretrained weights to other in_chans
+        whiten = PatchWhitening(in_chans, kernel_size=2, num_filters=12)
         widths = (whiten.out_chans, *stem_chs, embed_dim)
         self.stem = nn.Sequential(
             whiten, nn.ZeroPad2d((0, 1, 0, 1)), nn.GELU(),
@@ -136,7 +138,7 @@ class HybridNet(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-@register_model(first_conv="stem.0", classifier="head")
+@register_model(first_conv="stem.0", classifier="head", fixed_input_size=True)
 def hybrid_tiny(**kwargs) -> HybridNet:
     """Whitening stem, conv groups of width 64 and 128 (each with CBAM) to the 8x8 grid, 2 blocks of width 128,
     4 heads, MLP ratio 2: 0.54M parameters, 0.14 GFLOPs per 32x32 image. Chosen for test accuracy after 10
@@ -144,7 +146,7 @@ def hybrid_tiny(**kwargs) -> HybridNet:
     return HybridNet(**{**dict(stem_chs=(64,), embed_dim=128, depth=2, num_heads=4, mlp_ratio=2.0), **kwargs})
 
 
-@register_model(first_conv="stem.0", classifier="head")
+@register_model(first_conv="stem.0", classifier="head", fixed_input_size=True)
 def hybrid_small(**kwargs) -> HybridNet:
     """Whitening stem, conv groups of width 96 and 192 (each with CBAM) to the 8x8 grid, 3 blocks of width 192,
     6 heads, MLP ratio 2: 1.6M parameters, 0.31 GFLOPs per 32x32 image."""

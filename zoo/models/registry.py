@@ -7,49 +7,87 @@ from __future__ import annotations
 import copy
 import difflib
 import itertools
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from timm.layers import to_2tuple
+from timm.models import build_model_with_cfg
 from timm.models import register_model as timm_register_model
 from torch import nn
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # shipped weights: <name>.safetensors + .json
 
-_entrypoints: dict[str, Callable[..., nn.Module]] = {}
+_entrypoints: dict[str, Callable[..., nn.Module]] = {}  # zoo name -> the timm entry point (build_model_with_cfg)
 default_cfgs: dict[str, dict] = {}  # read by timm's register_model for the zoo_<name> pretrained cfgs
 
 
-def _timm_entrypoint(name: str, fn: Callable[..., nn.Module], first_conv: str, classifier: str):
+def model_card(name: str) -> dict | None:
+    """The model card of ``name``'s shipped weights (``zoo/weights/<name>.json``: recipe, command, machine,
+    accuracy, mean / std of the training data, ...), or None when the zoo ships no weights for it."""
+    path = WEIGHTS_DIR / f"{name.removeprefix('zoo_')}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _pretrained_cfg(name: str, first_conv: str, classifier: str, fixed_input_size: bool,
+                    pool_size: tuple[int, int] | None) -> dict:
+    """timm's pretrained cfg of ``zoo_<name>``: the shipped weights' file and the mean / std their training
+    data was normalised with, or (no weights) the usual CIFAR-10 statistics."""
+    cfg = dict(
+        url="", num_classes=10, input_size=(3, 32, 32), pool_size=pool_size, crop_pct=1.0, crop_mode="center",
+        interpolation="bicubic", fixed_input_size=fixed_input_size, mean=CIFAR10_MEAN, std=CIFAR10_STD,
+        first_conv=first_conv, classifier=classifier, license="apache-2.0",
+    )
+    card = model_card(name)
+    if card is not None:
+        cfg.update(file=str(WEIGHTS_DIR / f"{name}.safetensors"), mean=tuple(card["mean"]), std=tuple(card["std"]),
+                   num_classes=card["num_classes"], input_size=(3, card["img_size"], card["img_size"]),
+                   notes=(card["command"],))
+    return cfg
+
+
+def _timm_entrypoint(name: str, fn: Callable[..., nn.Module], feature_cfg: dict | None) -> Callable[..., nn.Module]:
     timm_name = f"zoo_{name}"
 
-    def entrypoint(pretrained: bool = False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None,
-                   **kwargs):
-        if pretrained:
-            raise ValueError(f"{timm_name} has no pretrained weights on any hub; create it with "
-                             "pretrained=False and load a trained run with zoo.load_run(...)")
-        model = fn(**kwargs)
-        model.pretrained_cfg = model.default_cfg = dict(default_cfgs[timm_name])  # read by timm.data
-        return model
+    def entrypoint(pretrained: bool = False, **kwargs) -> nn.Module:
+        try:
+            return build_model_with_cfg(fn, timm_name, pretrained, feature_cfg=dict(feature_cfg or {}), **kwargs)
+        except RuntimeError as err:  # timm's "No pretrained weights exist for ..." when the cfg has no source
+            if not str(err).startswith("No pretrained weights exist"):
+                raise
+            raise ValueError(f"{timm_name} has no pretrained weights (the zoo ships weights for: "
+                             f"{', '.join(shipped_models()) or 'no model'}); create it with pretrained=False "
+                             "and load a trained run with zoo.load_run(...)") from None
 
     entrypoint.__name__ = entrypoint.__qualname__ = timm_name
     entrypoint.__module__ = __name__
     entrypoint.__doc__ = fn.__doc__
-    default_cfgs[timm_name] = dict(
-        url="", num_classes=10, input_size=(3, 32, 32), pool_size=None, crop_pct=1.0, interpolation="bicubic",
-        mean=CIFAR10_MEAN, std=CIFAR10_STD, first_conv=first_conv, classifier=classifier,
-    )
-    timm_register_model(entrypoint)
+    return entrypoint
 
 
-def register_model(first_conv: str, classifier: str = "head"):
-    """Decorator for a zoo entry point; ``first_conv`` / ``classifier`` are the module names timm's
-    pretrained cfg records (for adapting input channels and heads)."""
+def shipped_models() -> list[str]:
+    """Names of the zoo models whose trained weights ship in the package, sorted."""
+    return sorted(p.stem for p in WEIGHTS_DIR.glob("*.safetensors") if (WEIGHTS_DIR / f"{p.stem}.json").is_file())
+
+
+def register_model(first_conv: str, classifier: str = "head", *, fixed_input_size: bool = False,
+                   pool_size: tuple[int, int] | None = None, feature_cfg: dict | None = None):
+    """Decorator for a zoo entry point (its function name is the model name). It is registered in timm as
+    ``zoo_<name>``, built through timm's ``build_model_with_cfg`` (``pretrained``, ``features_only``,
+    ``in_chans`` / ``num_classes`` adaptation of pretrained weights work as for timm's models). ``first_conv``
+    / ``classifier`` are the module names of the pretrained cfg, ``fixed_input_size`` whether the model
+    accepts only its ``img_size``, ``pool_size`` the (h, w) of the final feature map at 32x32 (None for
+    token models), ``feature_cfg`` the features_only defaults."""
 
     def decorator(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        _entrypoints[fn.__name__] = fn
-        _timm_entrypoint(fn.__name__, fn, first_conv, classifier)
+        name = fn.__name__
+        default_cfgs[f"zoo_{name}"] = _pretrained_cfg(name, first_conv, classifier, fixed_input_size, pool_size)
+        entrypoint = _timm_entrypoint(name, fn, feature_cfg)
+        timm_register_model(entrypoint)
+        _entrypoints[name] = entrypoint
         return fn
 
     return decorator
@@ -60,17 +98,21 @@ def list_models() -> list[str]:
     return sorted(_entrypoints)
 
 
-def create_model(name: str, **kwargs) -> nn.Module:
-    """Build a registered model, e.g. ``create_model("vit_tiny", num_classes=10, img_size=32)``.
-    The ``zoo_`` prefix timm uses is accepted too. Unknown name -> ValueError with close matches."""
+def create_model(name: str, pretrained: bool = False, **kwargs) -> nn.Module:
+    """Build a registered model, e.g. ``create_model("vit_tiny", num_classes=10, img_size=32)``: the same
+    model ``timm.create_model("zoo_" + name, ...)`` builds. ``pretrained=True`` loads the weights the zoo
+    ships (``shipped_models()``; a head of another ``num_classes`` is re-initialised, other ``in_chans``
+    adapted, as timm does). The ``zoo_`` prefix is accepted too. Unknown name -> ValueError with close
+    matches."""
     key = name.removeprefix("zoo_") if isinstance(name, str) else name
     if key not in _entrypoints:
         close = difflib.get_close_matches(str(key), list_models(), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise ValueError(f"unknown model {name!r}{hint} Available: {', '.join(list_models())}")
-    model = _entrypoints[key](**kwargs)
-    model.zoo_name = key
-    model.zoo_kwargs = dict(kwargs)
+    model = _entrypoints[key](pretrained=pretrained, **kwargs)
+    if not kwargs.get("features_only"):
+        model.zoo_name = key
+        model.zoo_kwargs = dict(kwargs)
     return model
 
 

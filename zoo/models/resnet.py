@@ -43,13 +43,13 @@ class CifarResNet(ResNet):
         return super().forward_features(x)
 
 
-@register_model(first_conv="conv1", classifier="fc")
+@register_model(first_conv="conv1", classifier="fc", pool_size=(4, 4))
 def resnet18(num_classes: int = 10, in_chans: int = 3, **kwargs) -> CifarResNet:
     """CIFAR ResNet-18: 3x3 stem, BasicBlock stages [2, 2, 2, 2] of width 64/128/256/512. 11.2M params."""
     return CifarResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, in_chans=in_chans, **kwargs)
 
 
-@register_model(first_conv="conv1", classifier="fc")
+@register_model(first_conv="conv1", classifier="fc", pool_size=(4, 4))
 def resnet18_cbam(num_classes: int = 10, in_chans: int = 3, **kwargs) -> CifarResNet:
     """CIFAR ResNet-18 with a CBAM (reduction 16, 7x7 spatial conv) in every block, after ``bn2``."""
     return add_cbam(resnet18(num_classes=num_classes, in_chans=in_chans, **kwargs))

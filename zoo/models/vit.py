@@ -118,7 +118,7 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"pos_embed must be 'learn' or 'sincos', got {pos_embed!r}")
         self.num_classes = num_classes
         self.global_pool = global_pool
-        self.num_features = self.embed_dim = embed_dim
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_prefix_tokens = 1 if global_pool == "token" else 0
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.img_size, self.patch_size = self.patch_embed.img_size, self.patch_embed.patch_size
@@ -211,19 +211,19 @@ class VisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-@register_model(first_conv="patch_embed.proj", classifier="head")
+@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True)
 def vit_nano(**kwargs) -> VisionTransformer:
     """ViT-Nano/4: width 128, depth 6, 4 heads, 4x4 patches (~1.2M parameters)."""
     return VisionTransformer(**{**dict(patch_size=4, embed_dim=128, depth=6, num_heads=4), **kwargs})
 
 
-@register_model(first_conv="patch_embed.proj", classifier="head")
+@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True)
 def vit_tiny(**kwargs) -> VisionTransformer:
     """ViT-Tiny/4: width 192, depth 12, 3 heads, 4x4 patches (~5.4M parameters)."""
     return VisionTransformer(**{**dict(patch_size=4, embed_dim=192, depth=12, num_heads=3), **kwargs})
 
 
-@register_model(first_conv="patch_embed.proj", classifier="head")
+@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True)
 def vit_small(**kwargs) -> VisionTransformer:
     """ViT-Small/4: width 384, depth 12, 6 heads, 4x4 patches (~21M parameters)."""
     return VisionTransformer(**{**dict(patch_size=4, embed_dim=384, depth=12, num_heads=6), **kwargs})

@@ -3,6 +3,8 @@ timings."""
 
 from __future__ import annotations
 
+import os
+import platform
 from pathlib import Path
 
 import torch
@@ -52,3 +54,17 @@ def resolve_accelerator(accelerator: str, devices) -> str:
         if accelerator == "gpu" and isinstance(devices, int) and devices > available:
             raise ValueError(f"--devices {devices} asks for more GPUs than exist ({available} visible)")
     return accelerator
+
+
+def machine_name(accelerator: str = "cpu") -> str:
+    """What a run's numbers come from, e.g. "Intel(R) Xeon(R) ... (2 cores, avx512_bf16: no)" or a GPU name."""
+    if accelerator == "gpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                    platform.processor() or platform.machine())
+    except OSError:
+        name = platform.processor() or platform.machine()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name} ({cores} cores, native bf16: {'yes' if cpu_has_native_bf16() else 'no'})"

@@ -22,7 +22,7 @@ from ..models import model_info
 from ..models.checkpoints import load_pretrained
 from .callbacks import Throughput, TimeBudget
 from .data import ImageDataModule
-from .device import resolve_accelerator, resolve_precision
+from .device import machine_name, resolve_accelerator, resolve_precision
 from .module import ImageClassifier
 from .optim import ema_avg_fn
 from .recipe import Recipe, parse_max_time
@@ -151,5 +151,5 @@ def summarize(plan: RunPlan, trainer: pl.Trainer, callbacks: RunCallbacks, fit_s
         "train_images_per_s": round(callbacks.throughput.images_per_s, 1),
         "best_val_top1": float(best_score) if best_score is not None else None, **tested,
         "num_classes": dm.num_classes, "class_names": list(dm.class_names), "img_size": dm.img_size,
-        "mean": list(dm.mean), "std": list(dm.std),
+        "mean": list(dm.mean), "std": list(dm.std), "machine": machine_name(plan.accelerator),
     }

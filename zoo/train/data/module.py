@@ -8,6 +8,7 @@ augmentation of ``augment``."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -212,6 +213,13 @@ class ImageDataModule(pl.LightningDataModule):
             self._stats[device] = tuple(torch.tensor(v, device=device).view(1, 3, 1, 1)
                                         for v in (self.mean, self.std))
         return self._stats[device]
+
+    def use_normalization(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        """Normalise with these per-channel statistics (a pretrained model's) instead of the training split's."""
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+            raise ValueError(f"mean and std must be 3 values each, std > 0; got {mean}, {std}")
+        self.mean, self.std = tuple(map(float, mean)), tuple(map(float, std))
+        self._stats.clear()
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 (B, 3, H, W) in [0, 255] (or float in [0, 1]) -> float32 ``(x / 255 - mean) / std``."""

@@ -1,0 +1,125 @@
+"""Shipping a trained run as the zoo's weights: ``publish_run`` evaluates a run's model on the whole test set
+(without and with test-time augmentation), writes ``zoo/weights/<model>.safetensors`` and its model card
+``<model>.json`` (recipe, command, machine, wall time, accuracies, params, FLOPs, the training data's mean /
+std that the pretrained cfg reports), both atomically. ``zoo.create_model(name, pretrained=True)`` and
+``timm.create_model("zoo_" + name, pretrained=True)`` then load them.
+
+    python -m zoo.train.publish RUN_DIR --data-dir DIR --command "python train.py ..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..atomic import atomic_write
+from ..models.checkpoints import load_run
+from ..models.registry import WEIGHTS_DIR, model_info
+from .data import ImageDataModule
+from .tta import tta_logits
+
+EVAL_BATCH = 500
+CHECK_IMAGES = 1000  # the card also gives the accuracy on this many test images, for a quick check of a copy
+
+
+def spread_indices(n: int, count: int) -> torch.Tensor:
+    """``count`` indices evenly spaced through ``range(n)`` (a test set sorted by class: every class covered)."""
+    return torch.linspace(0, n - 1, min(count, n)).round().long()
+
+
+@torch.no_grad()
+def test_accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean, std, tta: int = 0) -> float:
+    """Top-1 of ``model`` on uint8 (N, 3, H, W) ``images`` normalised with ``mean`` / ``std`` (3 floats in
+    [0, 1] units), under test-time augmentation level ``tta`` (0: none)."""
+    model.eval()
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in (mean, std))
+    correct = 0
+    for start in range(0, len(labels), EVAL_BATCH):
+        x = (images[start:start + EVAL_BATCH].float() / 255 - mean) / std
+        correct += (tta_logits(model, x, tta).argmax(1) == labels[start:start + EVAL_BATCH]).sum().item()
+    return correct / len(labels)
+
+
+def test_split(data_dir: str | Path, cache_dir: str | Path | None = None,
+               max_test_images: int | None = None) -> ImageDataModule:
+    """The data module of ``data_dir``'s test split (cached uint8 images), set up."""
+    dm = ImageDataModule(data_dir, cache_dir=cache_dir, device_cache="cpu", max_test_images=max_test_images)
+    dm.prepare_data()
+    dm.setup("test")
+    return dm
+
+
+def build_card(model: nn.Module, meta: dict, dm: ImageDataModule, command: str) -> dict:
+    """The model card of a run's model: what it is, how it was trained, how well it does on ``dm``'s test set."""
+    summary, config = meta["summary"], meta["config"]
+    if list(summary.get("class_names", dm.class_names)) != list(dm.class_names):
+        raise ValueError(f"the run was trained on classes {summary.get('class_names')}, the test data has "
+                         f"{dm.class_names}; pass the --data-dir it was trained on")
+    images, labels = dm.test_dataset.images, dm.test_dataset.labels
+    mean, std = summary.get("mean", dm.mean), summary.get("std", dm.std)
+    info = model_info(model)
+    check = spread_indices(len(labels), CHECK_IMAGES)
+    return {
+        "model": meta["model_name"], "model_args": meta["model_args"], "num_classes": meta["num_classes"],
+        "class_names": list(dm.class_names), "img_size": summary.get("img_size", dm.img_size),
+        "mean": list(mean), "std": list(std), "params": info["params"], "flops": info["flops"],
+        "test_images": len(labels),
+        "test_top1": test_accuracy(model, images, labels, mean, std, tta=0),
+        "test_top1_tta": test_accuracy(model, images, labels, mean, std, tta=2), "tta_level": 2,
+        "check_images": len(check), "check_top1": test_accuracy(model, images[check], labels[check], mean, std),
+        "command": command, "recipe": config, "machine": summary.get("machine", "unknown"),
+        "precision": summary.get("precision"), "wall_time_s": summary.get("wall_time_s"),
+        "global_step": meta["global_step"], "epochs": summary.get("epochs"),
+        "train_images_per_s": summary.get("train_images_per_s"), "published": date.today().isoformat(),
+        "torch": torch.__version__,
+    }
+
+
+def publish_run(run_dir: str | Path, *, data_dir: str | Path | None = None, command: str,
+                out_dir: str | Path = WEIGHTS_DIR, cache_dir: str | Path | None = None,
+                max_test_images: int | None = None) -> dict:
+    """Write ``out_dir/<model>.safetensors`` and ``<model>.json`` for the run in ``run_dir`` (its best
+    checkpoint), evaluated on the test split of ``data_dir`` (default: the run's; ``max_test_images``: a
+    seeded subset, for tests). Returns the card."""
+    from safetensors.torch import save
+
+    model, meta = load_run(run_dir)
+    data_dir = data_dir or meta["config"].get("data_dir")
+    if data_dir is None:
+        raise ValueError(f"{run_dir} records no data folder: pass data_dir")
+    card = build_card(model, meta, test_split(data_dir, cache_dir, max_test_images), command)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    blob = save(state, metadata={"model": card["model"], "format": "pt"})
+    card["sha256"] = hashlib.sha256(blob).hexdigest()
+    out_dir = Path(out_dir)
+    atomic_write(out_dir / f"{card['model']}.safetensors", lambda f: f.write(blob))
+    atomic_write(out_dir / f"{card['model']}.json", lambda f: f.write((json.dumps(card, indent=2) + "\n").encode()))
+    return card
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Ship a trained run's weights and model card in zoo/weights.")
+    p.add_argument("run_dir", help="a run directory written by train.py")
+    p.add_argument("--data-dir", help="the data whose test split is evaluated (default: the run's)")
+    p.add_argument("--command", required=True, help="the command that trained the run, for the model card")
+    p.add_argument("--out", default=str(WEIGHTS_DIR), help="output folder (default: the package's zoo/weights)")
+    args = p.parse_args(argv)
+    try:
+        card = publish_run(args.run_dir, data_dir=args.data_dir, command=args.command, out_dir=args.out)
+    except (ValueError, OSError) as err:
+        print(f"publish: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{card['model']}: test top-1 {card['test_top1']:.4f} ({card['test_top1_tta']:.4f} with TTA) on "
+          f"{card['test_images']} images -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
