@@ -1,0 +1,99 @@
+"""Training throughput of each model under each way to run it on this machine: fp32, fp32 channels_last,
+bf16 autocast with channels_last ("bf16-mixed"), the model cast to bf16 ("bf16-true"), and torch.compile'd
+fp32 (with the compile time paid once, measured apart). Candidates of one model are interleaved repeat by
+repeat (``interleaved_medians``), so their ratios are side by side; each step is a forward, cross-entropy,
+backward and AdamW step at ``batch``, on random images.
+
+    python -m zoo.bench.modes --models hybrid_tiny vit_tiny --out modes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models import create_model
+from ..train.device import cpu_has_native_bf16, machine_name
+from .timing import interleaved_medians
+
+MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled")
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def mode_steps(name: str, batch: int, modes=MODES) -> tuple[dict[str, Callable[[], None]], float | None]:
+    """One training-step closure per mode (each on its own copy of the model), and the seconds the compiled
+    mode's first step took (its compile time; None without that mode)."""
+    base = create_model(name).train()
+    x = torch.randn(batch, 3, *base.img_size)
+    y = torch.randint(0, base.num_classes, (batch,))
+    steps, compile_s = {}, None
+    for mode in modes:
+        model = copy.deepcopy(base)
+        inputs = x
+        if "channels_last" in mode:
+            model = model.to(memory_format=torch.channels_last)
+            inputs = x.contiguous(memory_format=torch.channels_last)
+        if mode == "bf16_true":
+            model, inputs = model.to(torch.bfloat16), x.to(torch.bfloat16)
+        if mode == "fp32_compiled":
+            model = torch.compile(model)
+        steps[mode] = _step(model, inputs, y, autocast=mode.startswith("bf16_mixed"))
+        if mode == "fp32_compiled":
+            start = time.perf_counter()
+            steps[mode]()
+            compile_s = time.perf_counter() - start
+    return steps, compile_s
+
+
+def bench_modes(names, batch: int = 128, repeats: int = 5, modes=MODES) -> list[dict]:
+    """[{"model", "batch", "<mode>_img_s" per mode, "compile_s", "<mode>_vs_fp32" ratios}] on the CPU."""
+    rows = []
+    for name in names:
+        steps, compile_s = mode_steps(name, batch, modes)
+        seconds = interleaved_medians(steps, repeats=repeats)
+        row = {"model": name, "batch": batch, "compile_s": compile_s}
+        row.update({f"{m}_img_s": batch / s for m, s in seconds.items()})
+        row.update({f"{m}_vs_fp32": seconds["fp32"] / s for m, s in seconds.items() if m != "fp32"})
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["hybrid_tiny", "vit_tiny"], help="registered model names")
+    p.add_argument("--batch", type=int, default=128, help="training batch size")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per mode (medians are reported)")
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    rows = bench_modes(args.models, args.batch, args.repeats)
+    result = {"machine": machine_name(), "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "rows": rows}
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
