@@ -15,9 +15,11 @@ import argparse
 import json
 import sys
 
+from zoo.train.cli import OneLineParser, parse_or_exit_code
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", metavar="CKPT_OR_RUN_DIR", help="a run directory or a .ckpt file")
     what.add_argument("--pretrained", metavar="NAME",
@@ -26,8 +28,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     what.add_argument("--bench-suite", action="store_true",
                       help="the benchmark suite: attention op and vit_tiny vs timm, memory per backend, MFU, "
                       "input pipeline, optimisation claims (bench.json + bench.md; ~5 min on 2 CPU cores)")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--data-dir", help="data folder (default: the one the run was trained on)")
+    p.add_argument("--out", required=True, help="the folder the output files are written into (created if needed; "
+                   "files of the same names there are replaced), e.g. eval/vit_tiny")
+    p.add_argument("--data-dir", help="data folder (default: the one the run was trained on); its classes must be "
+                   "the run's")
+    p.add_argument("--cache-dir", help="where the decoded test images are cached (default: the run's cache_dir, "
+                   "else $XDG_CACHE_HOME/zoo or ~/.cache/zoo)")
     p.add_argument("--max-test-images", type=int, help="evaluate on a seeded subset of this many test images")
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
     p.add_argument("--attention", action="store_true",
@@ -37,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deletion-images", type=int, default=256, help="test images for the deletion test")
     p.add_argument("--benchmark", action="store_true", help="inference / training images/s, latency, memory")
     p.add_argument("--precision", default="32", help="benchmark precision: 32, bf16-mixed, 16-mixed")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cpu; --bench-suite: cuda when available)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when a GPU is visible, else cpu)")
     args = p.parse_args(argv)
     for name in ("max_test_images", "num_images", "deletion_images", "batch_size"):
         value = getattr(args, name)
@@ -47,7 +53,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parse_or_exit_code(parse_args, argv)
+    if isinstance(args, int):
+        return args
+    from zoo.train.device import eval_device
+
+    try:
+        eval_device(args.device)  # a bad --device fails here, before the heavy imports and any work
+    except ValueError as err:
+        print(f"eval.py: error: {err}", file=sys.stderr)
+        return 2
     from zoo.explain.report import compare_runs, evaluate_run
 
     try:
@@ -59,7 +74,7 @@ def main(argv=None) -> int:
             return 0
         if args.compare:
             compare_runs(args.compare, args.out, data_dir=args.data_dir, batch_size=args.batch_size,
-                                deletion_images=min(args.deletion_images, 64))
+                         deletion_images=min(args.deletion_images, 64), cache_dir=args.cache_dir)
             print(open(f"{args.out}/compare.md").read())
             return 0
         report = evaluate_run(args.checkpoint, args.out, pretrained=args.pretrained, data_dir=args.data_dir,
@@ -67,13 +82,14 @@ def main(argv=None) -> int:
                               max_test_images=args.max_test_images,
                               attention_images=args.num_images if args.attention else 0,
                               deletion_images=args.deletion_images if args.deletion else 0,
-                              benchmark=args.benchmark, precision=args.precision, device=args.device)
+                              benchmark=args.benchmark, precision=args.precision, device=args.device,
+                              cache_dir=args.cache_dir)
     except (ValueError, OSError) as err:  # zoo.train.data.DataError is a ValueError
         print(f"eval.py: error: {err}".splitlines()[0], file=sys.stderr)
         return 2
     m = report["metrics"]
     print(f"{m['model']}: test top-1 {m['test_top1']:.4f}, top-5 {m['test_top5']:.4f}, "
-          f"loss {m['test_loss']:.4f} on {m['num_images']} images")
+          f"cross-entropy {m['test_cross_entropy']:.4f} on {m['num_images']} images")
     print("most confused (true -> predicted): " + ", ".join(
         f"{p['true']} -> {p['predicted']} ({p['count']})" for p in m["most_confused"]))
     if report["deletion"]:

@@ -19,24 +19,45 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 
 from ..bench.timing import benchmark_model, measure_inference
 from ..models.checkpoints import load_run, load_shipped
-from ..train.data import ImageDataModule
+from ..train.data import DataError, ImageDataModule, data_class_names
+from ..train.device import eval_device
 from ..train.runs import write_json
 from . import figures as viz
 from .faithfulness import deletion_test
 from .rollout import explain
 
 
-def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int = 256,
-                    max_test_images: int | None = None) -> ImageDataModule:
-    """The test data a run was trained for: its config's data folder, image size, split and cache
-    (``data_dir`` overrides the folder), set up for testing; zoo.data.DataError when the data is not there."""
+def check_data_classes(meta: dict, data_dir: str | None = None) -> None:
+    """The data a run is evaluated on must have the run's classes (its summary.json / model card
+    ``class_names``, in order, else its number of classes); read from the folder names or CIFAR-10's meta file,
+    before anything is decoded. A mismatch -> ValueError naming both."""
     cfg = meta.get("config") or {}
-    dm = ImageDataModule(
-        data_dir if data_dir is not None else cfg.get("data_dir"), download=False,
-        img_size=cfg.get("img_size", 32), batch_size=batch_size, val_size=cfg.get("val_size", 5000),
-        seed=cfg.get("seed", 0), cache_dir=cfg.get("cache_dir"), device_cache="cpu",
-        max_train_images=cfg.get("max_train_images"), max_test_images=max_test_images,
-    )
+    root = Path(data_dir if data_dir is not None else cfg.get("data_dir") or "data")
+    found = data_class_names(root)
+    recorded = (meta.get("summary") or {}).get("class_names")
+    if recorded is not None and list(recorded) != found:
+        raise DataError(f"the data in {root} has the classes {found}, the run was trained on {list(recorded)}")
+    if recorded is None and meta.get("num_classes") not in (None, len(found)):
+        raise DataError(f"the data in {root} has {len(found)} classes, the run was trained on "
+                        f"{meta['num_classes']}")
+
+
+def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int = 256,
+                    max_test_images: int | None = None, cache_dir: str | None = None) -> ImageDataModule:
+    """The test data a run was trained for: its config's data folder, image size, split and cache
+    (``data_dir`` / ``cache_dir`` override them), set up for testing; zoo.data.DataError when the data is not
+    there. The run's training cache is used when it exists; otherwise, when the run recorded its normalisation
+    (summary.json mean / std), only the test split is decoded."""
+    cfg, summary = meta.get("config") or {}, meta.get("summary") or {}
+    options = dict(download=False, img_size=cfg.get("img_size", 32), batch_size=batch_size,
+                   val_size=cfg.get("val_size", 5000), seed=cfg.get("seed", 0), device_cache="cpu",
+                   cache_dir=cache_dir if cache_dir is not None else cfg.get("cache_dir"),
+                   max_train_images=cfg.get("max_train_images"), max_test_images=max_test_images)
+    dm = ImageDataModule(data_dir if data_dir is not None else cfg.get("data_dir"), **options)
+    stats = summary.get("mean"), summary.get("std")
+    if None not in stats and not dm.cache_path(dm.source()).is_file():
+        dm = ImageDataModule(data_dir if data_dir is not None else cfg.get("data_dir"), splits=("test",), **options)
+        dm.use_normalization(*stats)
     dm.prepare_data()
     dm.setup("test")
     return dm
@@ -62,7 +83,8 @@ def most_confused(matrix: torch.Tensor, class_names: Sequence[str], top: int = 5
 @torch.no_grad()
 def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]:
     """Test-set metrics of ``model`` on ``dm`` (set up for "test"): ({"test_top1", "test_top5",
-    "test_loss", "per_class_accuracy": {name: fraction}, "most_confused": [...], "num_images"},
+    "test_cross_entropy" (plain: no label smoothing, no test-time augmentation), "per_class_accuracy":
+    {name: fraction}, "most_confused": [...], "num_images"},
     confusion matrix (C, C))."""
     device = next(model.parameters()).device
     model.eval()
@@ -82,7 +104,8 @@ def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]
     matrix = confusion.compute().cpu()
     per_class = matrix.diag().float() / matrix.sum(dim=1).clamp_min(1)
     metrics = {
-        "num_images": count, "test_top1": top1 / count, "test_top5": top5 / count, "test_loss": loss / count,
+        "num_images": count, "test_top1": top1 / count, "test_top5": top5 / count,
+        "test_cross_entropy": loss / count,
         "per_class_accuracy": dict(zip(dm.class_names, per_class.tolist(), strict=True)),
         "most_confused": most_confused(matrix, dm.class_names),
     }
@@ -143,16 +166,20 @@ def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: 
                  data_dir: str | None = None,
                  batch_size: int = 256, max_test_images: int | None = None, attention_images: int = 0,
                  deletion_images: int = 0, benchmark: bool = False, precision: str = "32",
-                 device: str | None = None) -> dict:
+                 device: str | None = None, cache_dir: str | None = None) -> dict:
     """Everything ``eval.py --checkpoint`` (or ``--pretrained NAME``: a shipped model, no run) does. Writes
     into ``out``: metrics.json and confusion_matrix.png; with ``attention_images`` an attention/ folder; with
     ``deletion_images`` deletion.json/.png; with ``benchmark`` benchmark.json. Returns {"metrics",
-    "deletion", "benchmark"} (None where not asked)."""
+    "deletion", "benchmark"} (None where not asked). ``device``: None -> the GPU when there is one. Every check
+    (device, checkpoint, the data's classes against the run's) comes before anything is decoded or written."""
     out = Path(out)
+    device = eval_device(device)
     model, meta = load_shipped(pretrained) if pretrained else load_run(checkpoint)
-    model.to(device or "cpu")
+    check_data_classes(meta, data_dir)
+    model.to(device)
     name = meta["model_name"]
-    dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=max_test_images)
+    dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=max_test_images,
+                         cache_dir=cache_dir)
     if pretrained:  # normalised as the weights were trained, whatever the statistics of this copy of the data
         dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
     metrics, matrix = evaluate(model, dm)
@@ -177,21 +204,29 @@ def _read_json(path: Path) -> dict | None:
 
 
 def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: str | None = None,
-                 batch_size: int = 256, deletion_images: int = 64, grid_images: int = 6) -> list[dict]:
+                 batch_size: int = 256, deletion_images: int = 64, grid_images: int = 6,
+                 cache_dir: str | None = None) -> list[dict]:
     """Side by side: compare.md, compare.csv (model, params, FLOPs, test top-1, train and inference images/s,
     deletion AUC of the model's explanation and of random), accuracy_vs_throughput.png, and rollout_grid.png
     (the same test images' rollouts, or CBAM maps, across models). Reuses each run's summary.json and any
     metrics.json / benchmark.json / deletion.json found in the run directory; measures only what is missing
     (inference images/s with few repeats; deletion on ``deletion_images`` seeded test images; test top-1, if
-    neither summary.json nor metrics.json has it, on those same images only)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    neither summary.json nor metrics.json has it, on those same images only). A run given twice -> ValueError;
+    rows are labelled by model and run id (by the run's path where two run ids are the same)."""
+    out, run_dirs = Path(out), [Path(r) for r in run_dirs]
+    resolved = [r.resolve() for r in run_dirs]
+    twice = sorted({str(r) for r, p in zip(run_dirs, resolved, strict=True) if resolved.count(p) > 1})
+    if twice:
+        raise ValueError(f"--compare got the same run more than once: {', '.join(twice)}")
+    loaded = [load_run(run_dir) for run_dir in run_dirs]
+    for _, meta in loaded:  # every run's data checked before any is decoded
+        check_data_classes(meta, data_dir)
+    names = [r.name for r in run_dirs]
     rows, heatmaps, grid = [], {}, None
-    for run_dir in map(Path, run_dirs):
-        model, meta = load_run(run_dir)
+    for run_dir, (model, meta) in zip(run_dirs, loaded, strict=True):
         summary = meta["summary"]
         dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size,
-                             max_test_images=max(deletion_images, grid_images))
+                             max_test_images=max(deletion_images, grid_images), cache_dir=cache_dir)
         metrics = _read_json(run_dir / "metrics.json") or {}
         bench = _read_json(run_dir / "benchmark.json") or {}
         deletion = _read_json(run_dir / "deletion.json")
@@ -203,7 +238,8 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
         top1 = summary.get("test_top1", metrics.get("test_top1"))
         if top1 is None:
             top1 = evaluate(model, dm)[0]["test_top1"]
-        label = f"{meta['model_name']} ({run_dir.name})" if len(run_dirs) > 1 else meta["model_name"]
+        run_id = run_dir.name if names.count(run_dir.name) == 1 else str(run_dir)
+        label = f"{meta['model_name']} ({run_id})" if len(run_dirs) > 1 else meta["model_name"]
         explained = deletion["explanation"]
         rows.append({
             "model": label, "params": summary.get("params"), "flops": summary.get("flops"), "test_top1": top1,
@@ -226,6 +262,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
 
 
 def _write_table(rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     columns = list(rows[0])
     with (out / "compare.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)

@@ -55,23 +55,29 @@ def _discard_lowest(fused: torch.Tensor, discard_ratio: float, num_prefix_tokens
     return torch.cat([fused[:, :, :num_prefix_tokens], fused[:, :, num_prefix_tokens:] * kept], dim=2)
 
 
-def attention_rollout(maps: Sequence[torch.Tensor], head_fusion: str = "mean", discard_ratio: float = 0.0,
-                      num_prefix_tokens: int = 1) -> torch.Tensor:
+def attention_rollout(maps: Sequence[torch.Tensor] | AttentionRecording, head_fusion: str = "mean",
+                      discard_ratio: float = 0.0, num_prefix_tokens: int | None = None) -> torch.Tensor:
     """Attention rollout (Abnar & Zuidema 2020): how much each output token draws on each input token through
     all layers, counting the residual path.
 
     Per layer: fuse heads (``head_fusion``), optionally zero the lowest ``discard_ratio`` of the fused weights
     (never in the first ``num_prefix_tokens`` columns), A' = rownorm(0.5 * A + 0.5 * I). Then
-    R = A_L' @ ... @ A_1'. maps: list of (B, H, N, N) in forward order.
+    R = A_L' @ ... @ A_1'. maps: list of (B, H, N, N) in forward order, or a whole ``AttentionRecording``.
+    ``num_prefix_tokens`` defaults to what the recording knows of the model: ``rec.num_prefix_tokens`` when
+    ``maps`` is ``rec.maps`` (or ``rec``); for a plain list, 1 (a class token, the ViT convention).
     Returns (B, N, N) float32; rows sum to 1.
     """
+    if isinstance(maps, AttentionRecording):
+        maps = maps.maps
+    if num_prefix_tokens is None:
+        num_prefix_tokens = getattr(maps, "num_prefix_tokens", 1)
     _check_maps(maps)
     if head_fusion not in HEAD_FUSIONS:
         raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}")
     if not 0.0 <= discard_ratio < 1.0:
         raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
     n = maps[0].shape[-1]
-    if not 0 <= num_prefix_tokens < n:
+    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or not 0 <= num_prefix_tokens < n:
         raise ValueError(f"num_prefix_tokens must be in [0, N={n}), got {num_prefix_tokens}")
     eye = torch.eye(n, device=maps[0].device)
     rollout = eye.expand(maps[0].shape[0], n, n)
@@ -143,7 +149,7 @@ def explain(model: nn.Module, images: torch.Tensor, *, head_fusion: str = "mean"
     """Run ``model`` on normalised ``images`` (B, C, H, W) once, recording attention and CBAM gates, and build
     the heatmaps. The rollout uses the maps over the full token set (the last-recorded N); cross-attention or
     maps of another size are left out."""
-    with record_attention(model) as rec:
+    with record_attention(model, allow_empty=True) as rec:
         logits = model(images)
     rollout = attention = cbam = None
     if rec.maps:

@@ -117,6 +117,12 @@ def _check_mask(mask, b: int, h: int, n: int, m: int, device) -> torch.Tensor:
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise ValueError(f"mask must be {expected}, got dtype {mask.dtype}")
     full = (b, h, n, m)
+    if mask.dim() == 2 and mask.shape[0] == b != n and b > 1:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} looks like a (B, M) key-padding mask; a 2-D mask is "
+                         f"read as (N, M) = {(n, m)}: pass key padding as (B, 1, 1, M) (zoo.masks.padding_mask)")
+    if mask.dim() == 2 and b == n > 1:
+        raise ValueError(f"a 2-D mask is ambiguous when B == N == {n}: it could be (N, M) per query or a (B, M) "
+                         "key-padding mask; pass (1, 1, N, M) for a per-query mask or (B, 1, 1, M) for key padding")
     if not 2 <= mask.dim() <= 4 or any(s not in (1, t) for s, t in zip(mask.shape, full[-mask.dim():],
                                                                          strict=True)):
         raise ValueError(f"mask must be {expected}, got shape {tuple(mask.shape)}")
@@ -205,7 +211,8 @@ class MultiHeadAttention(nn.Module):
                 mask: torch.Tensor | None = None, is_causal: bool = False, need_weights: bool = False,
                 kv_cache: KVCache | None = None):
         """x: (B, N, dim); context: (B, M, context_dim or dim) or None (self-attention).
-        mask: bool (True = may attend) or float (added), broadcastable to (B, H, N, M).
+        mask: bool (True = may attend) or float (added), broadcastable to (B, H, N, M); a 2-D mask is (N, M),
+            refused when B == N > 1 (it could be a (B, M) key-padding mask): pass 4-D masks there.
         is_causal: query i sees keys j <= i + M - N (bottom-right aligned when a KV cache makes M > N).
         Returns out (B, N, dim), or (out, weights (B, H, N, M)) with need_weights."""
         self._check_inputs(x, context, kv_cache, is_causal=is_causal, need_weights=need_weights)

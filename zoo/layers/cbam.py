@@ -121,6 +121,8 @@ def add_cbam(model: nn.Module, reduction: int = 16, kernel_size: int = 7) -> nn.
     new child ``block.cbam`` with ``bn.num_features`` channels (expansion x planes in a Bottleneck); original
     parameter names are unchanged, so ``model.load_state_dict(plain_state, strict=False)`` misses only
     ``*.cbam.*`` keys. A model without such blocks, or whose blocks already have a CBAM -> ValueError."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"add_cbam: model must be a torchvision or timm ResNet (an nn.Module), got {model!r}")
     blocks = _residual_blocks(model)
     if any(hasattr(block, "cbam") for block, _ in blocks):
         raise ValueError("add_cbam: this model's residual blocks already have a CBAM")

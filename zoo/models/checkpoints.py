@@ -89,18 +89,26 @@ def load_shipped(name: str) -> tuple[nn.Module, dict]:
     return model, meta
 
 
+def checkpoint_weights(path: str | Path) -> dict:
+    """The model weights in a zoo checkpoint (``model.`` prefix stripped) or a timm / plain state_dict file."""
+    ckpt = load_checkpoint(path)
+    if "state_dict" in ckpt and "hyper_parameters" in ckpt:
+        return _model_state(ckpt)
+    return ckpt.get("state_dict", ckpt.get("model", ckpt))
+
+
+def matching_weights(model: nn.Module, source: dict) -> dict[str, torch.Tensor]:
+    """The tensors of ``source`` whose name and shape match ``model``'s (a learned ``pos_embed`` of any grid)."""
+    target = model.state_dict()
+    return {k: v for k, v in source.items() if isinstance(v, torch.Tensor) and k in target
+            and (v.shape == target[k].shape or k == "pos_embed")}
+
+
 def load_pretrained(model: nn.Module, path: str | Path) -> list[str]:
     """Copy into ``model`` every weight of a zoo checkpoint or a timm ViT state_dict file whose name and
     shape match; a learned ``pos_embed`` of another grid is kept too, since the zoo ViT's load_state_dict
     resamples it (timm's resample_abs_pos_embed). Returns the names loaded; none matching -> ValueError."""
-    ckpt = load_checkpoint(path)
-    if "state_dict" in ckpt and "hyper_parameters" in ckpt:
-        source = _model_state(ckpt)
-    else:
-        source = ckpt.get("state_dict", ckpt.get("model", ckpt))
-    target = model.state_dict()
-    loaded = {k: v for k, v in source.items() if isinstance(v, torch.Tensor) and k in target
-              and (v.shape == target[k].shape or k == "pos_embed")}
+    loaded = matching_weights(model, checkpoint_weights(path))
     if not loaded:
         raise ValueError(f"--init-from {path}: no weight matches the model by name and shape")
     model.load_state_dict(loaded, strict=False)

@@ -109,6 +109,9 @@ def create_model(name: str, pretrained: bool = False, **kwargs) -> nn.Module:
         close = difflib.get_close_matches(str(key), list_models(), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise ValueError(f"unknown model {name!r}{hint} Available: {', '.join(list_models())}")
+    num_classes = kwargs.get("num_classes", 0)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+        raise ValueError(f"num_classes must be an int >= 0 (0: pooled features, no head), got {num_classes!r}")
     model = _entrypoints[key](pretrained=pretrained, **kwargs)
     if not kwargs.get("features_only"):
         model.zoo_name = key

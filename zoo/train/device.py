@@ -56,6 +56,26 @@ def resolve_accelerator(accelerator: str, devices) -> str:
     return accelerator
 
 
+def eval_device(name: str | None = None) -> torch.device:
+    """The device to evaluate on: ``name`` ("cpu", "cuda", "cuda:1", ...) checked against what exists, or by
+    default the GPU when there is one, else the CPU. Not a device, or one this machine lacks -> ValueError."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: only {count} CUDA GPU(s) visible (cuda:0 .. cuda:{count - 1})")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: evaluation runs on cpu or cuda, got a {device.type} device")
+    return device
+
+
 def machine_name(accelerator: str = "cpu") -> str:
     """What a run's numbers come from, e.g. "Intel(R) Xeon(R) ... (2 cores, avx512_bf16: no)" or a GPU name."""
     if accelerator == "gpu" and torch.cuda.is_available():

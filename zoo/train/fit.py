@@ -1,6 +1,8 @@
-"""``fit``: one resumable training run from a resolved ``Recipe``, in named steps: the data module, the run
-directory (``runs.prepare_run_dir``), the LightningModule, the callbacks, the Lightning Trainer, the test of
-the best checkpoint and summary.json (keys in the DESIGN's run contract; accuracies are fractions in [0, 1])."""
+"""``fit``: one resumable training run from a resolved ``Recipe``, in named steps: the run directory (``runs``: a
+resumed run is checked against the recipe and the data before anything is written; a new one is removed again
+when it fails before its first checkpoint), the data module, the LightningModule, the callbacks, the Lightning
+Trainer, the test of the best checkpoint and summary.json (keys in the DESIGN's run contract; accuracies are
+fractions in [0, 1])."""
 
 from __future__ import annotations
 
@@ -19,14 +21,22 @@ from lightning.pytorch.callbacks import (
 )
 
 from ..models import model_info
-from ..models.checkpoints import load_pretrained
 from .callbacks import Throughput, TimeBudget
 from .data import ImageDataModule
 from .device import machine_name, resolve_accelerator, resolve_precision
 from .module import ImageClassifier
 from .optim import ema_avg_fn
 from .recipe import Recipe, parse_max_time
-from .runs import AtomicCheckpointIO, ResumableCSVLogger, prepare_run_dir, write_json
+from .runs import (
+    AtomicCheckpointIO,
+    ResumableCSVLogger,
+    check_resume_data,
+    create_run_dir,
+    find_run_dir,
+    remove_failed_run,
+    write_json,
+)
+from .warmstart import init_from
 
 WHITENING_IMAGES = 5000  # training images whose patches set the whitening filters (airbench uses 5,000)
 
@@ -51,18 +61,37 @@ class RunCallbacks(NamedTuple):
 def fit(recipe: Recipe) -> Path:
     """Train one run from a resolved recipe (``zoo.train.recipe.resolve_config``) and return its run directory,
     which holds config.yaml, metrics.csv, checkpoints/{last,best}.ckpt and summary.json. With ``recipe.resume``
-    ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends."""
+    ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends, once its model, model
+    arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
     accelerator = resolve_accelerator(recipe.accelerator, recipe.devices)
     precision = resolve_precision(recipe.precision, accelerator)
+    run_dir, resume_from, new = find_run_dir(recipe)
     dm = build_datamodule(recipe)
-    plan = RunPlan(recipe, accelerator, precision, *prepare_run_dir(recipe))
-    pl.seed_everything(recipe.seed, workers=True, verbose=False)
+    if resume_from is not None:
+        check_resume_data(resume_from, dm.num_classes, dm.class_names)
+    created = create_run_dir(recipe, run_dir)
+    plan = RunPlan(recipe, accelerator, precision, run_dir, resume_from)
+    try:
+        return train_and_test(plan, dm)
+    except BaseException:
+        if new:
+            remove_failed_run(run_dir, created)
+        raise
+
+
+def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
+    """Fit, test the best checkpoint and write summary.json; a new run that ends before its first optimizer
+    step (a time budget too small for one) -> ValueError."""
+    pl.seed_everything(plan.recipe.seed, workers=True, verbose=False)
     module = build_module(plan, dm)
     callbacks = build_callbacks(plan)
     trainer = build_trainer(plan, callbacks.all)
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=str(plan.resume_from) if plan.resume_from else None)
     fit_s = time.perf_counter() - start
+    if trainer.global_step == 0:
+        raise ValueError(f"training ended before its first optimizer step (--max-time {plan.recipe.max_time}, "
+                         f"--limit-train-batches {plan.recipe.limit_train_batches}): nothing to save")
     tested = run_test(trainer, module, dm, callbacks.best)
     if trainer.is_global_zero:
         write_json(plan.run_dir / "summary.json", summarize(plan, trainer, callbacks, fit_s, tested))
@@ -98,7 +127,7 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
     if plan.resume_from is None and module.whitening_layers:  # a resumed run's checkpoint holds its filters
         module.fit_whitening(dm.normalize(dm.train_dataset.images[:WHITENING_IMAGES]))
     if recipe.init_from and plan.resume_from is None:
-        load_pretrained(module.model, recipe.init_from)
+        print(init_from(module.model, recipe.init_from, allow_partial=recipe.init_partial).summary())
     return module
 
 
@@ -133,11 +162,13 @@ def build_trainer(plan: RunPlan, callbacks: list[pl.Callback]) -> pl.Trainer:
 
 
 def run_test(trainer: pl.Trainer, module: ImageClassifier, dm: ImageDataModule, best: ModelCheckpoint) -> dict:
-    """Test the best checkpoint (the last weights when there is none): summary.json's test keys."""
+    """Test the best checkpoint (the last weights when there is none): summary.json's test keys.
+    ``test_loss_smoothed`` is the training objective (label-smoothed cross-entropy, with the recipe's test-time
+    augmentation), not the plain cross-entropy eval.py reports as ``test_cross_entropy``."""
     tested = best.best_model_path if best.best_model_path and Path(best.best_model_path).exists() else None
     results = trainer.test(module, datamodule=dm, ckpt_path=tested)[0]
     return {"test_top1": float(results["test/top1"]), "test_top5": float(results["test/top5"]),
-            "test_loss": float(results["test/loss"]), "tested_checkpoint": Path(tested or "last").name}
+            "test_loss_smoothed": float(results["test/loss"]), "tested_checkpoint": Path(tested or "last").name}
 
 
 def summarize(plan: RunPlan, trainer: pl.Trainer, callbacks: RunCallbacks, fit_s: float, tested: dict) -> dict:
@@ -150,6 +181,7 @@ def summarize(plan: RunPlan, trainer: pl.Trainer, callbacks: RunCallbacks, fit_s
         "epochs": trainer.current_epoch, "global_step": trainer.global_step, "wall_time_s": round(fit_s, 2),
         "train_images_per_s": round(callbacks.throughput.images_per_s, 1),
         "best_val_top1": float(best_score) if best_score is not None else None, **tested,
+        "label_smoothing": plan.recipe.label_smoothing,
         "num_classes": dm.num_classes, "class_names": list(dm.class_names), "img_size": dm.img_size,
         "mean": list(dm.mean), "std": list(dm.std), "machine": machine_name(plan.accelerator),
     }

@@ -97,10 +97,12 @@ def _precision(key: str, value) -> str:
 
 
 def _devices(key: str, value) -> int | str:
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and re.fullmatch(r"\s*(-1|\d+)\s*", value):
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or value == "":
-        raise ValueError(f"{key} must be auto, a number of devices or a device list like '0,1', got {value!r}")
+    valid = value == "auto" or isinstance(value, str) and re.fullmatch(r"\d+(,\d+)*,?", value.replace(" ", ""))
+    if isinstance(value, bool) or not (valid or isinstance(value, int) and (value >= 1 or value == -1)):
+        raise ValueError(f"{key} must be auto, a number of devices (-1: all) or a device list like '0,1', "
+                         f"got {value!r}")
     return value
 
 
@@ -111,7 +113,9 @@ def _channels_last(key: str, value) -> str | bool:
 
 
 def _max_time(key: str, value) -> str:
-    parse_max_time(value)
+    if parse_max_time(value) <= 0:
+        raise ValueError(f"{key} {value!r} leaves no time for one training step: give a budget above zero, "
+                         "e.g. 00:00:10:00")
     return str(value)
 
 
@@ -233,6 +237,7 @@ class Recipe:
     out: str = _field("runs", "root of run directories: OUT/<model>/<run-id>/", _text)
     resume: str | None = _field(None, "auto, a run directory or a checkpoint to continue", _optional(_text))
     init_from: str | None = _field(None, "start from a zoo checkpoint or a timm ViT state_dict", _optional(_text))
+    init_partial: bool = _field(False, "let init_from load under half of the model's parameter elements", _flag)
 
     def __post_init__(self):
         _validate(self, "")

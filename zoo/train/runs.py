@@ -10,6 +10,7 @@ import io
 import json
 import os
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,48 +100,101 @@ def _latest_resumable(model_dir: Path) -> Path | None:
     return runs[-1].parent.parent if runs else None
 
 
-def prepare_run_dir(recipe: Recipe) -> tuple[Path, Path | None]:
-    """Choose (and on rank 0 create) the run directory, write its config.yaml, and find the checkpoint to
-    resume from.
+def find_run_dir(recipe: Recipe) -> tuple[Path, Path | None, bool]:
+    """``(run directory, checkpoint to resume or None, whether the directory is new)``; writes nothing.
 
     ``recipe.resume``: None -> a new run; ``"auto"`` -> the newest run of this model under ``recipe.out``
-    with a last.ckpt (a new run if there is none); a run directory or a .ckpt path -> that run.
+    with a last.ckpt (a new run if there is none); a run directory or a .ckpt path -> that run, whose
+    checkpoint must be a zoo checkpoint of the recipe's model and model arguments (``check_resume``).
     Processes launched by DDP inherit the choice through the ``ZOO_RUN_DIR`` environment variable, so a
     DDP run leaves exactly one run directory."""
-    out = Path(recipe.out)
-    model_dir = out / recipe.model
-    inherited = os.environ.get(RUN_DIR_ENV) if os.environ.get("LOCAL_RANK", "0") != "0" else None
+    model_dir = Path(recipe.out) / recipe.model
     resume = recipe.resume
-    ckpt: Path | None = None
-    if inherited:
-        run_dir = Path(inherited)
+    if os.environ.get(RUN_DIR_ENV) and os.environ.get("LOCAL_RANK", "0") != "0":
+        run_dir = Path(os.environ[RUN_DIR_ENV])
         last = run_dir / "checkpoints" / "last.ckpt"
-        ckpt = last if resume and last.is_file() else None
-    elif resume == "auto":
+        return run_dir, last if resume and last.is_file() else None, False
+    if resume == "auto":
         run_dir = _latest_resumable(model_dir)
-        ckpt = run_dir / "checkpoints" / "last.ckpt" if run_dir else None
+        if run_dir is None:
+            return model_dir / new_run_id(), None, True
+        ckpt = run_dir / "checkpoints" / "last.ckpt"
     elif resume:
         target = Path(resume)
-        if target.is_dir():
-            run_dir, ckpt = target, target / "checkpoints" / "last.ckpt"
-        else:
-            run_dir, ckpt = target.parent.parent, target
+        run_dir, ckpt = (target, target / "checkpoints" / "last.ckpt") if target.is_dir() else (
+            target.parent.parent, target)
         if not ckpt.is_file():
             raise ValueError(f"--resume {resume}: no checkpoint at {ckpt}; pass a run directory holding "
                              "checkpoints/last.ckpt, a .ckpt file or 'auto'")
-        load_checkpoint(ckpt)  # a truncated / foreign file fails here with one line
     else:
-        run_dir = None
-    if run_dir is None:
-        run_dir = model_dir / new_run_id()
+        return model_dir / new_run_id(), None, True
+    check_resume(recipe, ckpt)
+    return run_dir, ckpt, False
+
+
+def check_resume(recipe: Recipe, ckpt: Path) -> dict:
+    """The checkpoint's hyper_parameters, after checking that it is a zoo training checkpoint of
+    ``recipe.model`` with the recipe's model arguments and image size; else ValueError (one line)."""
+    hp = load_checkpoint(ckpt).get("hyper_parameters") or {}
+    if "model_name" not in hp:
+        raise ValueError(f"--resume {ckpt}: not a zoo training checkpoint (no hyper_parameters.model_name)")
+    if hp["model_name"] != recipe.model:
+        raise ValueError(f"--resume {ckpt}: that run trains {hp['model_name']}, not --model {recipe.model}; "
+                         f"resume it with --model {hp['model_name']} or start a new run")
+    saved, wanted = dict(hp.get("model_args") or {}), {**recipe.model_args, "img_size": recipe.img_size}
+    if saved != wanted:
+        def shown(args: dict, key: str) -> str:
+            return repr(args[key]) if key in args else "unset"
+
+        diff = ", ".join(f"{k}: {shown(saved, k)} in the run, {shown(wanted, k)} now"
+                         for k in sorted(set(saved) | set(wanted)) if saved.get(k, ...) != wanted.get(k, ...))
+        raise ValueError(f"--resume {ckpt}: the model arguments differ from the run's ({diff}); resume with the "
+                         "run's recipe (its config.yaml) or start a new run")
+    return hp
+
+
+def check_resume_data(ckpt: Path, num_classes: int, class_names: list[str]) -> None:
+    """The data of a resumed run must have the run's classes: its checkpoint's num_classes and, where its
+    summary.json records them, its class names in order; else ValueError."""
+    hp = load_checkpoint(ckpt)["hyper_parameters"]
+    if hp.get("num_classes") != num_classes:
+        raise ValueError(f"--resume {ckpt}: the run has {hp.get('num_classes')} classes, the data has "
+                         f"{num_classes}; resume on the run's data (its config.yaml data_dir)")
+    summary = ckpt.parent.parent / "summary.json"
+    recorded = json.loads(summary.read_text()).get("class_names") if summary.is_file() else None
+    if recorded is not None and list(recorded) != list(class_names):
+        raise ValueError(f"--resume {ckpt}: the data's classes {list(class_names)} are not the run's "
+                         f"{list(recorded)}")
+
+
+def create_run_dir(recipe: Recipe, run_dir: Path) -> Path | None:
+    """Create ``run_dir/checkpoints`` (rank 0 also writes config.yaml) and return the topmost folder this call
+    created (None if the run directory existed), for ``remove_failed_run``. Unwritable -> ValueError."""
+    created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
     try:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise ValueError(f"cannot write the run directory {run_dir} (--out {out}): {err.strerror}") from None
+        raise ValueError(f"cannot write the run directory {run_dir} (--out {recipe.out}): {err.strerror}") from None
     os.environ[RUN_DIR_ENV] = str(run_dir)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         atomic_write(run_dir / "config.yaml", lambda f: f.write(recipe.to_yaml().encode()))
-    return run_dir, ckpt
+    return created
+
+
+def remove_failed_run(run_dir: Path, created: Path | None) -> None:
+    """After a new run failed: remove its directory (and the empty folders above it this run created) unless a
+    checkpoint of at least one optimizer step was written, so a failed train.py leaves no empty run behind."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if created is None or (last.is_file() and checkpoint_step(last) > 0):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for folder in run_dir.parents:
+        if folder == created.parent:
+            break
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            break

@@ -117,7 +117,8 @@ def build_cache(layout: str, source: Path, img_size: int, limits: Limits, seed: 
     data files (taken before decoding), checksum."""
     start = time.perf_counter()
     cache = {"version": CACHE_VERSION, **decode_splits(layout, source, img_size, limits, seed)}
-    cache["mean"], cache["std"] = channel_stats(cache["train_images"])
+    decoded_train = len(cache["train_labels"]) > 0  # a test-only cache (train limit 0) has no statistics
+    cache["mean"], cache["std"] = channel_stats(cache["train_images"]) if decoded_train else (None, None)
     cache["fingerprint"] = fingerprint
     cache["checksum"] = checksum(cache)
     log.info("decoded %d + %d images from %s in %.1f s", len(cache["train_labels"]),

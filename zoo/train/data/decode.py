@@ -17,7 +17,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from .layout import CIFAR_META, CIFAR_TEST, CIFAR_TRAIN, SPLITS, layout_error, list_imagefolder
 
-Limits = dict[str, int | None]  # split -> most images to keep (None: all)
+Limits = dict[str, int | None]  # split -> most images to keep (None: all; 0: the split is not decoded)
 
 
 def subset(n: int, limit: int | None, seed: int) -> torch.Tensor:
@@ -81,7 +81,7 @@ def decode_imagefolder(source: Path, img_size: int, limits: Limits, seed: int) -
         paths, labels = files[split]
         chosen = subset(len(paths), limits[split], seed + offset).tolist()
         images, kept = decode_files([paths[i] for i in chosen], img_size)
-        if len(images) == 0:
+        if len(images) == 0 and limits[split] != 0:
             raise layout_error(source, f"no readable images in {source}/{split}")
         decoded[f"{split}_images"] = images
         decoded[f"{split}_labels"] = torch.tensor([labels[i] for i in chosen], dtype=torch.int64)[kept]

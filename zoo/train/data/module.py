@@ -78,6 +78,8 @@ class ImageDataModule(pl.LightningDataModule):
             ``~/.cache/zoo/<hash of the data path>`` when that variable is unset; never the data folder.
         device_cache: "auto" (the trainer's root device when a trainer is attached, else CPU) or a device.
         max_train_images / max_test_images: seeded random subsets (only the chosen files are decoded).
+        splits: the splits to decode, ("train", "test") or ("test",) for evaluation: a test-only module has no
+            mean / std of its own (give them with ``use_normalization``) and cannot be set up for "fit".
 
     After ``setup``: ``num_classes``, ``class_names``, ``mean``, ``std`` (3-tuples in [0, 1] units, of the
     whole train split), ``img_size``, and the datasets ``train_dataset`` / ``val_dataset`` / ``test_dataset``
@@ -99,11 +101,14 @@ class ImageDataModule(pl.LightningDataModule):
         device_cache: str | torch.device = "auto",
         max_train_images: int | None = None,
         max_test_images: int | None = None,
+        splits: Sequence[str] = ("train", "test"),
     ):
         super().__init__()
         _check_arguments({"img_size": img_size, "batch_size": batch_size, "eval_batch_size": eval_batch_size,
                           "val_size": val_size, "max_train_images": max_train_images,
                           "max_test_images": max_test_images}, device_cache)
+        if "test" not in splits or not set(splits) <= {"train", "test"}:
+            raise ValueError(f"splits must be ('train', 'test') or ('test',), got {splits!r}")
         self.save_hyperparameters()
         self.data_dir = Path(data_dir) if data_dir is not None else Path("data")
         self.download = download or data_dir is None
@@ -117,6 +122,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.device_cache = device_cache
         self.max_train_images = max_train_images
         self.max_test_images = max_test_images
+        self.splits = tuple(splits)
         self.num_classes: int | None = None
         self.class_names: list[str] | None = None
         self.mean: tuple[float, float, float] | None = None
@@ -134,11 +140,15 @@ class ImageDataModule(pl.LightningDataModule):
         return cache_path(source, self.cache_dir, self.img_size, self._limits(), self.seed)
 
     def _limits(self) -> dict[str, int | None]:
-        return {"train": self.max_train_images, "test": self.max_test_images}
+        return {"train": self.max_train_images if "train" in self.splits else 0, "test": self.max_test_images}
 
     def prepare_data(self) -> None:
         """Find the data (downloading CIFAR-10 only where allowed) and build or validate the uint8 cache."""
         self._cache = self._load_or_build()
+
+    def source(self) -> Path:
+        """The folder the data is read from (an ImageFolder root or cifar-10-batches-py); DataError if none."""
+        return find_layout(self.data_dir, self.download)[1]
 
     def _load_or_build(self) -> dict:
         layout, source = find_layout(self.data_dir, self.download)
@@ -153,10 +163,13 @@ class ImageDataModule(pl.LightningDataModule):
         cache = self._cache
         self.class_names = list(cache["class_names"])
         self.num_classes = len(self.class_names)
-        self.mean, self.std = tuple(cache["mean"]), tuple(cache["std"])
+        if cache["mean"] is not None:  # a test-only cache has none: use_normalization gives them
+            self.mean, self.std = tuple(cache["mean"]), tuple(cache["std"])
         self._stats.clear()
         self._augment = BatchAugment(self.augment_config, self.num_classes)
         device = self._cache_device()
+        if stage in (None, "fit", "validate") and "train" not in self.splits:
+            raise ValueError(f"this data module decoded only {self.splits}: it cannot be set up for {stage!r}")
         if stage in (None, "fit", "validate"):
             n = len(cache["train_labels"])
             if self.val_size >= n:
