@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .record import AttentionRecording, record_attention
+from .record import AttentionRecording, num_prefix_tokens, record_attention
 
 HEAD_FUSIONS = ("mean", "max", "min")
 POOLINGS = ("token", "avg")
@@ -131,8 +131,8 @@ class Explanation:
 def token_layout(model: nn.Module, num_tokens: int) -> tuple[tuple[int, int], int, str]:
     """(grid_size, num_prefix_tokens, pooling) of a model's attention tokens, read from the attributes the
     zoo's models carry (``grid_size``, ``num_prefix_tokens``, ``global_pool``); a model without a grid
-    attribute is taken to attend over a square grid of its last tokens."""
-    prefix = getattr(model, "num_prefix_tokens", 0)
+    attribute is taken to attend over a square grid of its last tokens (timm's and torchvision's ViTs)."""
+    prefix = num_prefix_tokens(model)
     pooling = "token" if prefix > 0 and getattr(model, "global_pool", "token") == "token" else "avg"
     grid = getattr(model, "grid_size", None)
     if grid is None or num_tokens != prefix + grid[0] * grid[1]:
