@@ -1,0 +1,201 @@
+"""Explanation methods behind one interface: ``attribute(model, images, method, target)`` -> one heatmap per image,
+larger = more important, for the zoo's models and for timm's and torchvision's ViTs alike.
+
+- ``raw_attention``: the last layer's attention, heads averaged (class-token row, or the mean over the patch rows
+  for average-pooled models), over the patch grid.
+- ``rollout``: attention rollout (Abnar & Zuidema 2020, https://arxiv.org/abs/2005.00928), see ``rollout``.
+- ``grad_rollout``: gradient-weighted rollout as in vit-explain (https://github.com/jacobgil/vit-explain): each
+  layer's A becomes clamp(mean_heads(dy_c/dA * A), min=0) before the rollout recursion.
+- ``chefer2021``: Chefer, Gur & Wolf, "Generic Attention-model Explainability", ICCV 2021
+  (https://arxiv.org/abs/2103.15679): R = I, then per layer R += mean_heads(clamp(dy_c/dA * A, min=0)) @ R.
+- ``gradcam``: Grad-CAM (Selvaraju et al. 2017, https://arxiv.org/abs/1610.02391) on a convolutional layer:
+  relu(sum_k mean_hw(dy_c/dF_k) * F_k), at that layer's resolution (the zoo's CBAM-ResNet: ``layer4``; the
+  hybrid: its ``stem``, the 8x8 grid its attention sees).
+- ``cbam_gate``: the last CBAM spatial gate (Woo et al. 2018, https://arxiv.org/abs/1807.06521).
+- ``random``: uniform noise, the baseline every method must beat.
+
+Class-specific methods (``CLASS_SPECIFIC``) explain the logit y_c of ``target`` (B,) (None: the predicted class).
+Images are normalised (B, 3, H, W); maps come back as float32 on the CPU, (B, gh, gw) or (B, h, w)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .record import attention_modules, record_attention, spatial_gates
+from .rollout import attention_rollout, fuse_heads, rollout_heatmap, token_layout
+
+METHODS = ("raw_attention", "rollout", "grad_rollout", "chefer2021", "gradcam", "cbam_gate", "random")
+CLASS_SPECIFIC = frozenset({"grad_rollout", "chefer2021", "gradcam"})
+ATTENTION_METHODS = ("raw_attention", "rollout", "grad_rollout", "chefer2021")
+GRADCAM_LAYERS = ("layer4", "stem")  # tried in this order: the CBAM-ResNet's last stage, the hybrid's conv stem
+
+
+def chefer_relevance(maps: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Chefer et al. 2021's relevance (B, N, N) from per-layer attention maps and their gradients (B, H, N, N),
+    in forward order: R = I; R = R + mean_heads(clamp(grad * A, min=0)) @ R for each layer."""
+    if len(maps) != len(grads) or not maps:
+        raise ValueError(f"need one gradient per map and at least one map, got {len(maps)} maps, {len(grads)} grads")
+    b, _, n, _ = maps[0].shape
+    relevance = torch.eye(n, device=maps[0].device).expand(b, n, n)
+    for weights, grad in zip(maps, grads, strict=True):
+        cam = (grad.float() * weights.float()).clamp(min=0).mean(dim=1)
+        relevance = relevance + cam @ relevance
+    return relevance
+
+
+def grad_weighted_rollout(maps: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *,
+                          discard_ratio: float = 0.0, num_prefix_tokens: int = 1) -> torch.Tensor:
+    """vit-explain's gradient-weighted rollout (B, N, N): each layer fused to clamp(mean_heads(grad * A), min=0),
+    then ``attention_rollout``'s recursion (A' = rownorm(0.5 * A + 0.5 * I), R = A_L' @ ... @ A_1')."""
+    if len(maps) != len(grads) or not maps:
+        raise ValueError(f"need one gradient per map and at least one map, got {len(maps)} maps, {len(grads)} grads")
+    fused = [(g.float() * a.float()).mean(dim=1, keepdim=True).clamp(min=0) for a, g in zip(maps, grads, strict=True)]
+    return attention_rollout(fused, "mean", discard_ratio, num_prefix_tokens)
+
+
+def _target(logits: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    if target is None:
+        return logits.argmax(dim=-1)
+    target = torch.as_tensor(target, device=logits.device).long().reshape(-1)
+    if target.shape[0] != logits.shape[0] or not ((0 <= target) & (target < logits.shape[1])).all():
+        raise ValueError(f"target must be (B={logits.shape[0]},) class indices in [0, {logits.shape[1]}), "
+                         f"got {target.tolist()}")
+    return target
+
+
+def _score(logits: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    """Sum over the batch of each image's target logit (images do not interact in eval mode)."""
+    return logits.gather(1, _target(logits, target)[:, None]).sum()
+
+
+def _self_attention(maps: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The maps over the full token set (that of the last map); cross-attention and other sizes left out."""
+    if not maps:
+        raise ValueError("this method needs attention maps and the model recorded none")
+    n = maps[-1].shape[-1]
+    return [a for a in maps if a.shape[-2:] == (n, n)]
+
+
+def _attention_heatmap(model: nn.Module, relevance: torch.Tensor) -> torch.Tensor:
+    grid, prefix, pooling = token_layout(model, relevance.shape[-1])
+    return rollout_heatmap(relevance, grid, prefix, pooling)
+
+
+def _maps_and_grads(model: nn.Module, images: torch.Tensor, target) -> tuple[list, list]:
+    """The self-attention maps of one forward pass and the gradients of the target logits with respect to them."""
+    with torch.enable_grad(), record_attention(model, keep_graph=True) as rec:
+        logits = model(images)
+        maps = _self_attention(rec.maps)
+        grads = torch.autograd.grad(_score(logits, target), maps)
+    return [a.detach() for a in maps], [g.detach() for g in grads]
+
+
+@torch.no_grad()
+def _recorded(model: nn.Module, images: torch.Tensor):
+    with record_attention(model, to_cpu=False) as rec:
+        model(images)
+    return rec
+
+
+def raw_attention(model: nn.Module, images: torch.Tensor, target=None) -> torch.Tensor:
+    maps = _self_attention(_recorded(model, images).maps)
+    return _attention_heatmap(model, fuse_heads(maps[-1].float()))
+
+
+def rollout(model: nn.Module, images: torch.Tensor, target=None, *, head_fusion: str = "mean",
+            discard_ratio: float = 0.0) -> torch.Tensor:
+    rec = _recorded(model, images)
+    maps = _self_attention(rec.maps)
+    return _attention_heatmap(model, attention_rollout(maps, head_fusion, discard_ratio, rec.num_prefix_tokens))
+
+
+def grad_rollout(model: nn.Module, images: torch.Tensor, target=None, *, discard_ratio: float = 0.0) -> torch.Tensor:
+    maps, grads = _maps_and_grads(model, images, target)
+    _, prefix, _ = token_layout(model, maps[0].shape[-1])
+    return _attention_heatmap(model, grad_weighted_rollout(maps, grads, discard_ratio=discard_ratio,
+                                                           num_prefix_tokens=prefix))
+
+
+def chefer2021(model: nn.Module, images: torch.Tensor, target=None) -> torch.Tensor:
+    maps, grads = _maps_and_grads(model, images, target)
+    return _attention_heatmap(model, chefer_relevance(maps, grads))
+
+
+def gradcam_layer(model: nn.Module, layer: str | nn.Module | None = None) -> nn.Module:
+    """The layer Grad-CAM reads: a module, a submodule name, or None for the first of ``GRADCAM_LAYERS``."""
+    if isinstance(layer, nn.Module):
+        return layer
+    names = [layer] if layer is not None else [n for n in GRADCAM_LAYERS if isinstance(getattr(model, n, None),
+                                                                                       nn.Module)]
+    if not names:
+        raise ValueError(f"gradcam: {type(model).__name__} has none of the default layers {GRADCAM_LAYERS}; "
+                         "pass layer= (a module or its name)")
+    try:
+        return model.get_submodule(names[0])
+    except AttributeError:
+        raise ValueError(f"gradcam: {type(model).__name__} has no submodule {names[0]!r}") from None
+
+
+def gradcam(model: nn.Module, images: torch.Tensor, target=None, *,
+            layer: str | nn.Module | None = None) -> torch.Tensor:
+    module, seen = gradcam_layer(model, layer), []
+    handle = module.register_forward_hook(lambda mod, args, out: seen.append(out))
+    try:
+        with torch.enable_grad():
+            logits = model(images)
+            if len(seen) != 1 or seen[0].dim() != 4:
+                raise ValueError(f"gradcam: the layer must run once per forward and give (B, C, h, w) features, "
+                                 f"got {[tuple(t.shape) for t in seen]}")
+            (grad,) = torch.autograd.grad(_score(logits, target), seen)
+    finally:
+        handle.remove()
+    features = seen[0].detach()
+    weights = grad.mean(dim=(2, 3), keepdim=True)
+    return (weights * features).sum(dim=1).clamp(min=0)
+
+
+def cbam_gate(model: nn.Module, images: torch.Tensor, target=None) -> torch.Tensor:
+    gates = _recorded(model, images).cbam
+    if not gates:
+        raise ValueError("cbam_gate needs a CBAM spatial gate and the model ran none")
+    return gates[-1][:, 0]
+
+
+def random(model: nn.Module, images: torch.Tensor, target=None, *, grid: tuple[int, int] = (8, 8),
+           seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(images.shape[0], *grid, generator=generator)
+
+
+_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "raw_attention": raw_attention, "rollout": rollout, "grad_rollout": grad_rollout, "chefer2021": chefer2021,
+    "gradcam": gradcam, "cbam_gate": cbam_gate, "random": random}
+
+
+def applicable_methods(model: nn.Module) -> list[str]:
+    """The methods of ``METHODS`` that apply to ``model``, in that order: the attention ones where it has
+    attention modules, ``gradcam`` where it has a default Grad-CAM layer, ``cbam_gate`` where it has CBAM gates,
+    and ``random`` always."""
+    found = set(ATTENTION_METHODS) if attention_modules(model) else set()
+    if any(isinstance(getattr(model, n, None), nn.Module) for n in GRADCAM_LAYERS):
+        found.add("gradcam")
+    if spatial_gates(model):
+        found.add("cbam_gate")
+    return [m for m in METHODS if m in found | {"random"}]
+
+
+def attribute(model: nn.Module, images: torch.Tensor, method: str, target: torch.Tensor | None = None,
+              **options) -> torch.Tensor:
+    """Heatmaps (B, gh, gw) or (B, h, w), float32 on the CPU, of ``method`` (one of ``METHODS``) for ``model``
+    (in eval mode) on normalised ``images`` (B, C, H, W), explaining class ``target`` (B,) (None: the predicted
+    class; ignored by methods not in ``CLASS_SPECIFIC``). ``options`` go to the method: ``head_fusion``,
+    ``discard_ratio`` (rollout), ``discard_ratio`` (grad_rollout), ``layer`` (gradcam), ``grid``, ``seed``
+    (random). No parameter's ``.grad`` is touched."""
+    if method not in _FUNCTIONS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(images, torch.Tensor) or images.dim() != 4:
+        raise ValueError(f"images must be (B, C, H, W), got {getattr(images, 'shape', type(images).__name__)}")
+    return _FUNCTIONS[method](model, images, target, **options).detach().float().cpu()
