@@ -24,7 +24,7 @@ from torch import nn
 
 from .checks import tracing
 
-__all__ = ["CBAM", "ChannelAttention", "NormThenCBAM", "SpatialAttention", "add_cbam"]
+__all__ = ["CBAM", "ChannelAttention", "NormThenCBAM", "SpatialAttention", "add_cbam", "current_cbam_keys"]
 
 
 def _check_image(x, channels: int | None = None) -> None:
@@ -121,6 +121,16 @@ def _legacy_cbam_keys(block: nn.Module, state_dict: dict, prefix: str, *args) ->
             state_dict[current[0] + key.removeprefix(norm_prefix)] = state_dict.pop(key)
         for key in [k for k in state_dict if k.startswith(f"{prefix}cbam.")]:
             state_dict[current[1] + key.removeprefix(f"{prefix}cbam.")] = state_dict.pop(key)
+
+
+def current_cbam_keys(model: nn.Module, state_dict: dict) -> dict:
+    """A copy of ``state_dict`` with the keys ``model``'s CBAM blocks would rename on loading (plain and
+    hook-version names, see ``_legacy_cbam_keys``) renamed: for code that matches keys by name before loading."""
+    state_dict = dict(state_dict)
+    for name, module in model.named_modules():
+        if any(isinstance(child, NormThenCBAM) for child in module.children()):
+            _legacy_cbam_keys(module, state_dict, f"{name}." if name else "")
+    return state_dict
 
 
 def _residual_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..layers.cbam import current_cbam_keys
 from .registry import create_model, model_card, shipped_models
 
 
@@ -98,6 +99,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> list[str]:
         source = _model_state(ckpt)
     else:
         source = ckpt.get("state_dict", ckpt.get("model", ckpt))
+    source = current_cbam_keys(model, source)  # a checkpoint of the hook-based add_cbam names CBAM otherwise
     target = model.state_dict()
     loaded = {k: v for k, v in source.items() if isinstance(v, torch.Tensor) and k in target
               and (v.shape == target[k].shape or k == "pos_embed")}
