@@ -16,7 +16,8 @@ returns ``proj.bias``, as ``torch.nn.MultiheadAttention`` does), never NaN.
 
 ``torch.fx`` symbolic tracing works for self- and cross-attention without a mask, with or without relative bias,
 on the sdpa and math backends (``rearrange`` is a leaf function of the graph; input checks step aside while
-tracing); ``torch.export`` and ``torch.compile`` work with every option.
+tracing; traced on its own, the module needs its keyword options as ``concrete_args``); ``torch.export`` and
+``torch.compile`` work with every option.
 """
 
 from __future__ import annotations
