@@ -53,13 +53,20 @@ def check_maps(maps, channels, reductions, batch: int) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_forward_and_grad_checkpointing_give_the_same_output(name):
+def test_forward_and_grad_checkpointing_give_the_same_output_and_gradients(name):
     model = zoo.create_model(name).eval()
     x = images()
     out = model(x)
     assert out.shape == (1, 10) and not out.isnan().any()
+    out.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     model.set_grad_checkpointing()
-    torch.testing.assert_close(model(x), out, rtol=1e-4, atol=1e-5)
+    checkpointed = model(x)
+    torch.testing.assert_close(checkpointed, out, rtol=1e-4, atol=1e-5)
+    checkpointed.sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("name", MODELS)
