@@ -120,20 +120,24 @@ RESNETS = {
 
 
 @pytest.mark.parametrize("name", list(RESNETS))
-def test_add_cbam_keeps_names_and_places_cbam_before_the_addition(name):
+def test_add_cbam_loads_the_plain_state_dict_and_places_cbam_before_the_addition(name):
     plain = _randomise_norms(RESNETS[name]()).eval()
     blocks = {n: m for n, m in plain.named_modules() if isinstance(m, BLOCK_TYPES)}
     model = RESNETS[name]()
     assert zoo.add_cbam(model) is model
     result = model.load_state_dict(plain.state_dict(), strict=False)
     assert result.unexpected_keys == []
+    bottleneck = "50" in name
+    norm_name = "bn3" if bottleneck else "bn2"
     cbam_keys = {"channel.fc1.weight", "channel.fc2.weight", "spatial.conv.weight"}
-    assert set(result.missing_keys) == {f"{n}.cbam.{k}" for n in blocks for k in cbam_keys}
+    assert set(result.missing_keys) == {f"{n}.{norm_name}.cbam.{k}" for n in blocks for k in cbam_keys}
     model.eval()
 
-    bottleneck = "50" in name
     for n, block in blocks.items():
-        added = model.get_submodule(n).cbam
+        added = model.get_submodule(f"{n}.{norm_name}.cbam")
+        assert model.get_submodule(f"{n}.{norm_name}.norm") is not getattr(block, norm_name)
+        torch.testing.assert_close(model.get_submodule(f"{n}.{norm_name}.norm").running_var,
+                                   getattr(block, norm_name).running_var)
         last_norm = block.bn3 if bottleneck else block.bn2
         assert added.channel.fc2.out_channels == last_norm.num_features
         if bottleneck:  # expansion x planes
@@ -148,7 +152,7 @@ def test_add_cbam_keeps_names_and_places_cbam_before_the_addition(name):
         stem_out = x
         for child in ("conv1", "bn1", "act1" if hasattr(plain, "act1") else "relu", "maxpool"):
             stem_out = getattr(plain, child)(stem_out)
-        cbam = model.get_submodule(first_name).cbam
+        cbam = model.get_submodule(f"{first_name}.{norm_name}.cbam")
         torch.testing.assert_close(model.get_submodule(first_name)(stem_out),
                                    reference_block(first, cbam, stem_out))
 
@@ -164,8 +168,32 @@ def test_add_cbam_gradients_reach_cbam_and_deepcopy_uses_its_own_cbam():
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(twin(x), model(x))
-        twin.layer1[0].cbam.spatial.conv.weight.add_(1.0)
+        twin.layer1[0].bn2.cbam.spatial.conv.weight.add_(1.0)
         assert not torch.allclose(twin(x), model(x))
+
+
+def test_add_cbam_loads_the_state_dict_of_the_hook_based_version_strictly():
+    """The first add_cbam kept ``bn2.*`` and added ``cbam.*`` beside it (a forward hook ran one after the
+    other); such a state_dict loads strictly and gives the same function."""
+    model = zoo.add_cbam(_randomise_norms(torchvision.models.resnet18(weights=None, num_classes=4))).eval()
+    old_names = {k.replace(".bn2.norm.", ".bn2.").replace(".bn2.cbam.", ".cbam."): v
+                 for k, v in model.state_dict().items()}
+    assert "layer1.0.bn2.weight" in old_names and "layer1.0.cbam.spatial.conv.weight" in old_names
+    fresh = zoo.add_cbam(torchvision.models.resnet18(weights=None, num_classes=4)).eval()
+    fresh.load_state_dict(old_names, strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+
+
+def test_add_cbam_is_visible_to_fx_and_export():
+    """CBAM is an ordinary submodule on the forward path: an FX graph keeps its parameters and its effect."""
+    model = zoo.add_cbam(_randomise_norms(torchvision.models.resnet18(weights=None, num_classes=4))).eval()
+    traced = torch.fx.symbolic_trace(model)
+    assert sum(p.numel() for p in traced.parameters()) == sum(p.numel() for p in model.parameters())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(traced(x), model(x))
 
 
 @pytest.mark.parametrize("model", [nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()), nn.Linear(3, 3)])

@@ -13,6 +13,11 @@ One module, several interchangeable backends that compute the same function:
 Masks follow ``F.scaled_dot_product_attention``: bool means True = may attend, float is added to the scores;
 either broadcasts to (B, H, N, M). A query that may attend no key gets attention output 0 (so the module
 returns ``proj.bias``, as ``torch.nn.MultiheadAttention`` does), never NaN.
+
+``torch.fx`` symbolic tracing works for self- and cross-attention without a mask, with or without relative bias,
+on the sdpa and math backends (``rearrange`` is a leaf function of the graph; input checks step aside while
+tracing; traced on its own, the module needs its keyword options as ``concrete_args``); ``torch.export`` and
+``torch.compile`` work with every option.
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
 from .backends import Masking, attend
-from .checks import check_flag, check_int, check_rate
+from .checks import check_flag, check_int, check_rate, tracing
 from .position import RelativePositionBias2D
+
+torch.fx.wrap("rearrange")  # einops cannot take an fx Proxy: the call becomes one node of the graph
 
 BACKENDS = ("auto", "sdpa", "math", "chunked", "linear")
 _AUTO = ContextVar("zoo_attention_auto_backend", default="sdpa")
@@ -100,6 +108,8 @@ class KVCache:
 
 
 def _check_rank3(name: str, t, width: int, width_name: str) -> None:
+    if tracing():
+        return
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor of shape (B, N, {width_name}={width}), "
                          f"got {type(t).__name__}")
@@ -194,8 +204,8 @@ class MultiHeadAttention(nn.Module):
     def _project(self, x: torch.Tensor, context: torch.Tensor | None):
         """q: (B, H, N, D); k, v: (B, H, M, D)."""
         if context is None:
-            q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.num_heads)
-            return q, k, v
+            qkv = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.num_heads)
+            return qkv.unbind(0)
         if self.context_dim is None:  # cross-attention through the fused weights, as nn.MultiheadAttention
             sizes = [self.dim, 2 * self.dim]
             w_q, w_kv = self.qkv.weight.split(sizes)
@@ -204,7 +214,7 @@ class MultiHeadAttention(nn.Module):
         else:
             q, kv = self.q(x), self.kv(context)
         q = rearrange(q, "b n (h d) -> b h n d", h=self.num_heads)
-        k, v = rearrange(kv, "b m (two h d) -> two b h m d", two=2, h=self.num_heads)
+        k, v = rearrange(kv, "b m (two h d) -> two b h m d", two=2, h=self.num_heads).unbind(0)
         return q, k, v
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
@@ -219,10 +229,9 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(x, context)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-        b, h, n, _ = q.shape
-        m = k.shape[-2]
+        n, m = q.shape[-2], k.shape[-2]
         if mask is not None:
-            mask = _check_mask(mask, b, h, n, m, x.device)
+            mask = _check_mask(mask, q.shape[0], q.shape[1], n, m, x.device)
         masking = Masking(mask, is_causal, self._rel_bias(n, m), n, m)
         want_weights = need_weights or self.weights_hook is not None
         out, weights = self._attend(q, k, v, masking, want_weights)
@@ -232,6 +241,8 @@ class MultiHeadAttention(nn.Module):
         return (out, weights) if need_weights else out
 
     def _check_inputs(self, x, context, kv_cache, *, is_causal, need_weights) -> None:
+        if tracing():
+            return
         check_flag("is_causal", is_causal)
         check_flag("need_weights", need_weights)
         _check_rank3("x", x, self.dim, "dim")
@@ -249,7 +260,7 @@ class MultiHeadAttention(nn.Module):
         """(H, N, M) relative position bias, or None without one."""
         if self.rel_pos_bias is None:
             return None
-        if not n == m == self.rel_pos_bias.num_tokens:
+        if not tracing() and not n == m == self.rel_pos_bias.num_tokens:
             raise ValueError(f"relative position bias over grid {self.rel_pos_bias.grid} with "
                              f"{self.rel_pos_bias.num_prefix_tokens} prefix tokens needs N == M == "
                              f"{self.rel_pos_bias.num_tokens} tokens, got N={n}, M={m}")

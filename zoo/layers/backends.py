@@ -37,6 +37,12 @@ class Masking:
     def empty(self) -> bool:
         return self.mask is None and not self.causal and self.rel_bias is None
 
+    @property
+    def boolean(self) -> bool:
+        """Whether ``bias`` hands out a bool mask (True = attend) rather than a float one; known without
+        looking at a tensor's values, so it holds while torch.fx traces too."""
+        return self.rel_bias is None and (self.mask is None or self.mask.dtype == torch.bool)
+
     def bias(self, rows: slice, dtype: torch.dtype, device) -> tuple[torch.Tensor | None, ...]:
         """(bias, row_ok) for query rows ``rows``: bias is bool (True = attend) or float (added), with
         fully-masked rows opened up so softmax stays finite; row_ok (..., rows, 1) is False for those rows,
@@ -67,11 +73,12 @@ class Masking:
         return additive.masked_fill(~row_ok, 0.0), row_ok
 
 
-def math_attention(q, k, v, bias, row_ok, dropout_p: float, need_weights: bool):
-    """Reference softmax attention. q: (B, H, N, D), k/v: (B, H, M, D); bias broadcastable to (B, H, N, M)."""
+def math_attention(q, k, v, bias, row_ok, dropout_p: float, need_weights: bool, boolean: bool = True):
+    """Reference softmax attention. q: (B, H, N, D), k/v: (B, H, M, D); bias broadcastable to (B, H, N, M),
+    bool (True = attend) when ``boolean``, else float (added)."""
     scores = torch.einsum("bhnd,bhmd->bhnm", q * q.shape[-1] ** -0.5, k)
     if bias is not None:
-        scores = scores.masked_fill(~bias, float("-inf")) if bias.dtype == torch.bool else scores + bias
+        scores = scores.masked_fill(~bias, float("-inf")) if boolean else scores + bias
     weights = scores.softmax(dim=-1, dtype=torch.float32)
     if row_ok is not None:
         weights = weights * row_ok
@@ -81,8 +88,7 @@ def math_attention(q, k, v, bias, row_ok, dropout_p: float, need_weights: bool):
 
 
 def sdpa_attention(q, k, v, bias, row_ok, dropout_p: float, is_causal: bool):
-    if bias is not None and bias.dtype != torch.bool:
-        bias = bias.to(q.dtype)
+    """bias: None, bool (True = attend) or float in q's dtype (``Masking.bias`` casts it)."""
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=is_causal)
     return out if row_ok is None else out * row_ok
 
@@ -139,7 +145,7 @@ def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights:
 
         def chunk(q_rows, k, v, rows=rows):
             bias, row_ok = masking.bias(rows, q_rows.dtype, q_rows.device)
-            return math_attention(q_rows, k, v, bias, row_ok, dropout_p, need_weights)
+            return math_attention(q_rows, k, v, bias, row_ok, dropout_p, need_weights, masking.boolean)
 
         if recompute and not need_weights:
             out, w = checkpoint(chunk, q[:, :, rows], k, v, use_reentrant=False)
@@ -162,5 +168,5 @@ def attend(backend: str, q, k, v, masking: Masking, dropout_p: float, need_weigh
         return sdpa_attention(q, k, v, bias, row_ok, dropout_p, is_causal=False), None
     if backend == "math":
         bias, row_ok = masking.bias(slice(None), q.dtype, q.device)
-        return math_attention(q, k, v, bias, row_ok, dropout_p, need_weights)
+        return math_attention(q, k, v, bias, row_ok, dropout_p, need_weights, masking.boolean)
     return chunked_attention(q, k, v, masking, dropout_p, need_weights, chunk_size)

@@ -3,14 +3,15 @@ a channel gate from average- and max-pooled descriptors through one shared MLP, 
 channel-wise mean and max maps through a k x k conv; both gates are sigmoids multiplied onto the features.
 
 ``add_cbam`` puts a CBAM into every residual block of a torchvision or timm ResNet, on the residual branch
-after its last norm (``bn2`` in BasicBlock, ``bn3`` in Bottleneck) and before the addition. The CBAM becomes
-a new child ``block.cbam`` and a forward hook on the last norm passes the norm's output through it. We chose
-the hook over a wrapper around the norm (``bn2 = Sequential(bn2, cbam)``) because the wrapper renames the
-norm's parameters (``bn2.weight`` -> ``bn2.0.weight``), so an unmodified model's state_dict would no longer
-load; with the hook every original name stays and the only new keys are ``*.cbam.*`` (load with
-``strict=False``). timm blocks have an ``se`` slot at that place, but torchvision's do not, and one mechanism
-for both is simpler. The hook is a bound method of the CBAM module, so ``copy.deepcopy`` (EMA weights) and
-pickling carry it over to the copy's own CBAM.
+after its last norm (``bn2`` in BasicBlock, ``bn3`` in Bottleneck) and before the addition: the last norm is
+replaced by ``NormThenCBAM(norm, cbam)``, so ``bn2.weight`` becomes ``bn2.norm.weight`` and the CBAM's
+parameters are ``bn2.cbam.*``. Being ordinary submodules on the forward path, they are seen by torch.fx
+tracing (torchvision's feature extraction, timm's FX features), torch.export and torch.compile; a forward hook
+(the first version) was invisible to FX, whose graphs lost CBAM. timm blocks have an ``se`` slot at that
+place, but torchvision's do not, and one mechanism for both is simpler. Older names still load: a
+load_state_dict pre-hook on each block renames an unmodified ResNet's ``bn2.*`` and the first version's
+``cbam.*`` keys (``_legacy_cbam_keys``), so a plain ResNet's state_dict loads with ``strict=False`` (missing
+only the CBAMs) and a checkpoint of the hook version loads strictly.
 
 timm has a CBAM too (``timm.layers.CbamModule``), but its spatial gate adds a BatchNorm the formula here
 does not have, it has no hook for recording gates, and timm marks it experimental; so the zoo has its own.
@@ -21,10 +22,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["CBAM", "ChannelAttention", "SpatialAttention", "add_cbam"]
+from .checks import tracing
+
+__all__ = ["CBAM", "ChannelAttention", "NormThenCBAM", "SpatialAttention", "add_cbam", "current_cbam_keys"]
 
 
 def _check_image(x, channels: int | None = None) -> None:
+    if tracing():
+        return
     expected = f"(B, {'C' if channels is None else channels}, H, W)"
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -90,9 +95,42 @@ class CBAM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.spatial(self.channel(x))
 
-    def _after_norm(self, norm: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-        """Forward hook for a residual block's last norm (see ``add_cbam``): gate the norm's output."""
-        return self(output)
+
+class NormThenCBAM(nn.Module):
+    """A residual block's last norm followed by a CBAM: ``cbam(norm(x))``, (B, C, H, W) -> same shape.
+    ``add_cbam`` puts it in the norm's place."""
+
+    def __init__(self, norm: nn.Module, cbam: CBAM):
+        super().__init__()
+        self.norm = norm
+        self.cbam = cbam
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cbam(self.norm(x))
+
+
+def _legacy_cbam_keys(block: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook of a block ``add_cbam`` changed: rename, in place, the keys of an unmodified
+    block (``bn2.weight`` -> ``bn2.norm.weight``) and of the hook-based first version (``cbam.*`` ->
+    ``bn2.cbam.*``) to today's names."""
+    for name, child in block.named_children():
+        if not isinstance(child, NormThenCBAM):
+            continue
+        norm_prefix, current = f"{prefix}{name}.", (f"{prefix}{name}.norm.", f"{prefix}{name}.cbam.")
+        for key in [k for k in state_dict if k.startswith(norm_prefix) and not k.startswith(current)]:
+            state_dict[current[0] + key.removeprefix(norm_prefix)] = state_dict.pop(key)
+        for key in [k for k in state_dict if k.startswith(f"{prefix}cbam.")]:
+            state_dict[current[1] + key.removeprefix(f"{prefix}cbam.")] = state_dict.pop(key)
+
+
+def current_cbam_keys(model: nn.Module, state_dict: dict) -> dict:
+    """A copy of ``state_dict`` with the keys ``model``'s CBAM blocks would rename on loading (plain and
+    hook-version names, see ``_legacy_cbam_keys``) renamed: for code that matches keys by name before loading."""
+    state_dict = dict(state_dict)
+    for name, module in model.named_modules():
+        if any(isinstance(child, NormThenCBAM) for child in module.children()):
+            _legacy_cbam_keys(module, state_dict, f"{name}." if name else "")
+    return state_dict
 
 
 def _residual_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -117,18 +155,21 @@ def _residual_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 def add_cbam(model: nn.Module, reduction: int = 16, kernel_size: int = 7) -> nn.Module:
     """Insert a CBAM into every residual block (BasicBlock / Bottleneck) of a torchvision or timm ResNet, in
-    place, after the block's last norm and before the residual addition; returns the model. The CBAM is the
-    new child ``block.cbam`` with ``bn.num_features`` channels (expansion x planes in a Bottleneck); original
-    parameter names are unchanged, so ``model.load_state_dict(plain_state, strict=False)`` misses only
-    ``*.cbam.*`` keys. A model without such blocks, or whose blocks already have a CBAM -> ValueError."""
+    place, after the block's last norm and before the residual addition; returns the model. The last norm
+    ``bn`` becomes ``NormThenCBAM(bn, CBAM(bn.num_features, ...))`` (expansion x planes channels in a
+    Bottleneck): parameters ``bn2.norm.*`` and ``bn2.cbam.*`` (``bn3`` in a Bottleneck). The unmodified
+    model's state_dict still loads (``strict=False``, missing only ``*.cbam.*``), as does one saved by the
+    hook-based first version (keys ``bn2.*`` and ``cbam.*``). A model without such blocks, or whose blocks
+    already have a CBAM -> ValueError."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"add_cbam: model must be a torchvision or timm ResNet (an nn.Module), got {model!r}")
     blocks = _residual_blocks(model)
-    if any(hasattr(block, "cbam") for block, _ in blocks):
+    if any(isinstance(getattr(block, norm_name), NormThenCBAM) for block, norm_name in blocks):
         raise ValueError("add_cbam: this model's residual blocks already have a CBAM")
     for block, norm_name in blocks:
         norm = getattr(block, norm_name)
         like = next(block.parameters())
-        block.cbam = CBAM(norm.num_features, reduction, kernel_size).to(like.device, like.dtype)
-        norm.register_forward_hook(block.cbam._after_norm)
+        cbam = CBAM(norm.num_features, reduction, kernel_size).to(like.device, like.dtype)
+        setattr(block, norm_name, NormThenCBAM(norm, cbam))
+        block.register_load_state_dict_pre_hook(_legacy_cbam_keys)
     return model

@@ -1,10 +1,25 @@
 """Argument checks shared by the layers' constructors and forwards. A wrong argument becomes a ``ValueError``
 that names the argument, what was expected and what was given, before it can fail obscurely inside torch
-(``TypeError: cannot unpack``, a float size passed to ``torch.zeros``, a dropout rate torch does accept)."""
+(``TypeError: cannot unpack``, a float size passed to ``torch.zeros``, a dropout rate torch does accept).
+
+Checks of forward inputs step aside while ``torch.fx`` traces symbolically (``tracing()``): the input is then a
+Proxy whose shape is not known, so the check cannot run, and an input check is not part of the computation
+anyway. ``torch.compile`` and ``torch.export`` run the checks on real or fake tensors as eager mode does."""
 
 from __future__ import annotations
 
 import numbers
+
+try:
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+except ImportError:  # torch < 2.5: the flag is only set by symbolic tracing there
+    from torch.fx._symbolic_trace import is_fx_tracing as is_fx_symbolic_tracing
+
+
+def tracing() -> bool:
+    """True while ``torch.fx`` traces symbolically (``symbolic_trace``, torchvision's ``create_feature_extractor``,
+    timm's FX features); forward-input checks return early then."""
+    return is_fx_symbolic_tracing()
 
 
 def check_int(name: str, value, minimum: int = 1) -> int:

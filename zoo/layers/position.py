@@ -6,10 +6,13 @@ resampling them to another grid is timm's ``resample_abs_pos_embed``."""
 from __future__ import annotations
 
 import torch
+import torch.fx
 from einops import rearrange
 from torch import nn
 
 from .checks import check_grid, check_int
+
+torch.fx.wrap("rearrange")  # einops cannot take an fx Proxy: the call becomes one node of the graph
 
 
 def sincos_pos_embed_2d(dim: int, grid: tuple[int, int], temperature: float = 10000.0) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..layers.cbam import current_cbam_keys
 from .registry import create_model, model_card, shipped_models
 
 
@@ -98,7 +99,9 @@ def checkpoint_weights(path: str | Path) -> dict:
 
 
 def matching_weights(model: nn.Module, source: dict) -> dict[str, torch.Tensor]:
-    """The tensors of ``source`` whose name and shape match ``model``'s (a learned ``pos_embed`` of any grid)."""
+    """The tensors of ``source`` whose name and shape match ``model``'s (a learned ``pos_embed`` of any grid).
+    A checkpoint of the hook-based first ``add_cbam`` names its CBAM weights otherwise: they are renamed."""
+    source = current_cbam_keys(model, source)
     target = model.state_dict()
     return {k: v for k, v in source.items() if isinstance(v, torch.Tensor) and k in target
             and (v.shape == target[k].shape or k == "pos_embed")}

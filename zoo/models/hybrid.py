@@ -11,21 +11,30 @@ patches on CIFAR; CoAtNet (Dai et al. 2021, https://arxiv.org/abs/2106.04803) an
 small late grid. The convolutions give locality and translation equivariance, so the model needs no
 absolute position embedding and learns from far fewer images than a ViT: the point is accuracy per second
 of CPU training (see the entry points for sizes and BENCHMARKS.md for the measurements that chose them).
+
+timm's model API: ``feature_info`` has one entry per conv group (``stem.3``, ...; (B, C, H, W) maps) and one per
+transformer block; ``forward_intermediates``, ``prune_intermediate_layers`` (``features_only=True`` gives timm's
+``FeatureGetterNet``), ``set_grad_checkpointing``, ``group_matcher``; torch.fx tracing and torch.export work.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.fx
 from einops import rearrange
 from timm.layers import calculate_drop_path_rates, to_2tuple, trunc_normal_
+from timm.models import checkpoint_seq
 from torch import nn
 
 from ..layers.attention import MultiHeadAttention
 from ..layers.cbam import CBAM
 from ..layers.whitening import PatchWhitening
+from .features import TOKEN_FEATURES, TokenFeatures
 from .inputs import check_images
 from .registry import register_model
 from .vit import Block, LayerNormEps6
+
+torch.fx.wrap("rearrange")  # einops cannot take an fx Proxy: the call becomes one node of the graph
 
 __all__ = ["ConvGroup", "HybridNet", "hybrid_small", "hybrid_tiny"]
 
@@ -47,7 +56,7 @@ class ConvGroup(nn.Sequential):
         )
 
 
-class HybridNet(nn.Module):
+class HybridNet(TokenFeatures, nn.Module):
     """Whitening conv stem with CBAM to a (H / 2^g, W / 2^g) grid for g conv groups, transformer blocks with
     2D relative position bias, avg pool.
 
@@ -96,6 +105,11 @@ class HybridNet(nn.Module):
         self.norm = LayerNormEps6(embed_dim)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.num_prefix_tokens = 0
+        self.grad_checkpointing = False
+        self.feature_info = [dict(module=f"stem.{self._STAGES_FROM + i}", num_chs=w, reduction=2 ** (i + 1))
+                             for i, w in enumerate(widths[1:])]
+        self.feature_info += [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=stride) for i in range(depth)]
         for m in self.modules():  # timm's transformer init for Linear layers; convs keep torch's
             if isinstance(m, nn.Linear):
                 trunc_normal_(m.weight, std=0.02)
@@ -115,19 +129,43 @@ class HybridNet(nn.Module):
         if global_pool not in (None, "avg"):
             raise ValueError(f"global_pool must be 'avg' (the only pooling here), got {global_pool!r}")
         self.num_classes = num_classes
-        weight = self.norm.weight
-        self.head = (nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype)
+        like = next(self.parameters())  # the final norm may have been pruned away
+        self.head = (nn.Linear(self.embed_dim, num_classes, device=like.device, dtype=like.dtype)
                      if num_classes else nn.Identity())
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups for timm's layer-wise lr decay: the stem, then one group per block."""
+        return dict(stem=r"^stem", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    _STAGES_FROM = 3  # stem = whitening, pad, GELU, then the conv groups
+
+    @property
+    def conv_stages(self) -> list[nn.Module]:
+        """The conv groups of the stem (each a feature stage)."""
+        return list(self.stem)[self._STAGES_FROM:]
+
+    def keep_conv_stages(self, n: int) -> None:
+        self.stem = self.stem[:self._STAGES_FROM + n]
+
+    def forward_pre_stages(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, *img_size) -> whitened (B, 24, *img_size), the first conv group's input."""
+        check_images(x, self.in_chans, self.img_size)
+        return self.stem[:self._STAGES_FROM](x)
 
     def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, *img_size) -> feature grid (B, embed_dim, gh, gw)."""
         check_images(x, self.in_chans, self.img_size)
         return self.stem(x)
 
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Feature grid (B, embed_dim, gh, gw) -> tokens (B, gh * gw, embed_dim), row-major."""
+        return rearrange(x, "b c gh gw -> b (gh gw) c")
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, *img_size) -> tokens (B, gh * gw, embed_dim), row-major, after the final norm."""
-        tokens = rearrange(self.forward_stem(x), "b c gh gw -> b (gh gw) c")
-        return self.norm(self.blocks(tokens))
+        tokens = self.forward_tokens(self.forward_stem(x))
+        tokens = checkpoint_seq(self.blocks, tokens) if self.grad_checkpointing else self.blocks(tokens)
+        return self.norm(tokens)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Tokens (B, N, embed_dim) -> logits (B, num_classes), or pooled features (B, embed_dim)."""
@@ -138,7 +176,7 @@ class HybridNet(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-@register_model(first_conv="stem.0", classifier="head", fixed_input_size=True)
+@register_model(first_conv="stem.0", classifier="head", fixed_input_size=True, feature_cfg=TOKEN_FEATURES)
 def hybrid_tiny(**kwargs) -> HybridNet:
     """Whitening stem, conv groups of width 64 and 128 (each with CBAM) to the 8x8 grid, 2 blocks of width 128,
     4 heads, MLP ratio 2: 0.54M parameters, 0.14 GFLOPs per 32x32 image. Chosen for test accuracy after 10
@@ -146,7 +184,7 @@ def hybrid_tiny(**kwargs) -> HybridNet:
     return HybridNet(**{**dict(stem_chs=(64,), embed_dim=128, depth=2, num_heads=4, mlp_ratio=2.0), **kwargs})
 
 
-@register_model(first_conv="stem.0", classifier="head", fixed_input_size=True)
+@register_model(first_conv="stem.0", classifier="head", fixed_input_size=True, feature_cfg=TOKEN_FEATURES)
 def hybrid_small(**kwargs) -> HybridNet:
     """Whitening stem, conv groups of width 96 and 192 (each with CBAM) to the 8x8 grid, 3 blocks of width 192,
     6 heads, MLP ratio 2: 1.6M parameters, 0.31 GFLOPs per 32x32 image."""

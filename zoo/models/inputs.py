@@ -1,13 +1,18 @@
 """Input checks shared by every model's forward: a user's wrong image batch becomes a ValueError that names
-what was expected and what was given, instead of an error from deep inside a conv."""
+what was expected and what was given, instead of an error from deep inside a conv. The check steps aside while
+``torch.fx`` traces symbolically (``zoo.layers.checks.tracing``)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..layers.checks import tracing
+
 
 def check_images(x, in_chans: int, img_size: tuple[int, int] | None = None) -> None:
     """``x`` must be a floating (B, in_chans, H, W) tensor, with (H, W) == img_size when one is given."""
+    if tracing():
+        return
     size = f"{img_size[0]}, {img_size[1]}" if img_size is not None else "H, W"
     expected = f"images of shape (B, C, H, W) = (B, {in_chans}, {size})"
     if not isinstance(x, torch.Tensor):

@@ -7,6 +7,10 @@ blocks with LayerNorm eps 1e-6 and GELU, qkv bias, no dropout or drop path), wit
 mlp.fc2}``, ``norm``, ``fc_norm``, ``head``), so weights move to and from timm by a plain state_dict copy
 (``zoo.interop``). Options timm lacks: a fixed 2D sin-cos position embedding (MAE) and a learned 2D relative
 position bias in every attention layer (Swin-style), and a selectable attention backend.
+
+timm's model API holds as for its own ViT: ``feature_info`` (one entry per block), ``forward_intermediates``,
+``prune_intermediate_layers`` (so ``features_only=True`` gives timm's ``FeatureGetterNet``),
+``set_grad_checkpointing``, ``group_matcher``; torch.fx symbolic tracing and torch.export work.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 from functools import partial
 
 import torch
+import torch.fx
 from einops import rearrange
 from timm.layers import (
     DropPath,
@@ -24,12 +29,16 @@ from timm.layers import (
     to_2tuple,
     trunc_normal_,
 )
+from timm.models import checkpoint_seq
 from torch import nn
 
 from ..layers.attention import MultiHeadAttention
 from ..layers.position import sincos_pos_embed_2d
+from .features import TOKEN_FEATURES, TokenFeatures
 from .inputs import check_images
 from .registry import register_model
+
+torch.fx.wrap("rearrange")  # einops cannot take an fx Proxy: the call becomes one node of the graph
 
 LayerNormEps6 = partial(nn.LayerNorm, eps=1e-6)  # timm's ViT norm
 
@@ -87,7 +96,7 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(TokenFeatures, nn.Module):
     """ViT classifier: patch embedding, [class token], position embedding, pre-norm blocks, pooling, head.
 
     Args:
@@ -144,6 +153,9 @@ class VisionTransformer(nn.Module):
         self.fc_norm = LayerNormEps6(embed_dim) if global_pool == "avg" else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.grad_checkpointing = False
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=max(self.patch_size))
+                             for i in range(depth)]
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -193,12 +205,21 @@ class VisionTransformer(nn.Module):
         self.head = (nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype)
                      if num_classes > 0 else nn.Identity())
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim), after the final norm."""
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups for timm's layer-wise lr decay: the embedding, then one group per block."""
+        return dict(stem=r"^cls_token|pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim) entering the blocks."""
         x = self.patch_embed(x)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.blocks(x + self.pos_embed)
+        return x + self.pos_embed
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim), after the final norm."""
+        x = self.forward_tokens(x)
+        x = checkpoint_seq(self.blocks, x) if self.grad_checkpointing else self.blocks(x)
         return self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -211,19 +232,19 @@ class VisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True)
+@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True, feature_cfg=TOKEN_FEATURES)
 def vit_nano(**kwargs) -> VisionTransformer:
     """ViT-Nano/4: width 128, depth 6, 4 heads, 4x4 patches (~1.2M parameters)."""
     return VisionTransformer(**{**dict(patch_size=4, embed_dim=128, depth=6, num_heads=4), **kwargs})
 
 
-@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True)
+@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True, feature_cfg=TOKEN_FEATURES)
 def vit_tiny(**kwargs) -> VisionTransformer:
     """ViT-Tiny/4: width 192, depth 12, 3 heads, 4x4 patches (~5.4M parameters)."""
     return VisionTransformer(**{**dict(patch_size=4, embed_dim=192, depth=12, num_heads=3), **kwargs})
 
 
-@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True)
+@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True, feature_cfg=TOKEN_FEATURES)
 def vit_small(**kwargs) -> VisionTransformer:
     """ViT-Small/4: width 384, depth 12, 6 heads, 4x4 patches (~21M parameters)."""
     return VisionTransformer(**{**dict(patch_size=4, embed_dim=384, depth=12, num_heads=6), **kwargs})
