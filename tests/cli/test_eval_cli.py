@@ -97,6 +97,43 @@ def test_bad_inputs_exit_2_with_one_line(tiny_run, tmp_path, capsys):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
 
 
+def _faithfulness(tiny_run, out, *flags) -> list[dict]:
+    assert eval_cli.main(["--faithfulness", str(tiny_run), "--out", str(out), "--batch-size", "64", *flags]) == 0
+    with (out / "faithfulness.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == ("model", "method", "removal", "metric", "auc", "ci_low", "ci_high",
+                                            "p_vs_random", "num_images")
+        return list(reader)
+
+
+def test_faithfulness_leaderboard(tiny_run, tmp_path, capsys):
+    from zoo.explain import applicable_methods
+    from zoo.models import load_run
+
+    methods = applicable_methods(load_run(tiny_run)[0])
+    assert methods == ["raw_attention", "rollout", "grad_rollout", "chefer2021", "random"]
+    out = tmp_path / "faithfulness"
+    rows = _faithfulness(tiny_run, out, "--faithfulness-images", "20", "--sanity")
+    assert "Best method: **" in capsys.readouterr().out
+    assert {(r["method"], r["removal"], r["metric"]) for r in rows} == {
+        (m, "zero", metric) for m in methods for metric in ("deletion", "insertion")} and len(rows) == 10
+    for row in rows:
+        assert row["model"] == "vit_nano" and row["num_images"] == "20"
+        assert float(row["ci_low"]) <= float(row["auc"]) <= float(row["ci_high"])
+        assert (row["p_vs_random"] == "nan") == (row["method"] == "random")
+    md = (out / "faithfulness.md").read_text()
+    assert "## vit_nano (20 test images)" in md and md.count("(best)") == 2 and "Sanity check (Adebayo" in md
+    assert "| method | head | norm | blocks.5 |" in md
+    for name in ("faithfulness_curves_vit_nano.png", "faithfulness_maps_vit_nano.png"):
+        assert (out / name).stat().st_size > 10_000
+    full = _faithfulness(tiny_run, tmp_path / "full", "--faithfulness-images", "10", "--full-grid",
+                         "--absolute-scale")
+    assert {(r["method"], r["removal"], r["metric"]) for r in full} == {
+        (m, removal, metric) for m in methods for removal in ("zero", "blur", "mean", "road")
+        for metric in ("deletion", "insertion")} and len(full) == 5 * 4 * 2
+    assert {r["num_images"] for r in full} == {"10"}
+
+
 @pytest.mark.parametrize("name", shipped_models())
 def test_eval_pretrained_needs_no_run(name, cifar_dir, tmp_path, capsys):
     out = tmp_path / "eval"
