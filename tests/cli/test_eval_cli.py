@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,12 @@ def test_compare_two_runs(tiny_run, tmp_path):
     (first / "benchmark.json").write_text(json.dumps({"inference_images_per_s": 456.0}))
     (second / "deletion.json").write_text(json.dumps({
         "explanation": "rollout", "auc": {"rollout": 0.123, "random": 0.456}}))
+    from zoo.explain.leaderboard import write_csv
+
+    write_csv([{"model": "vit_nano", "method": method, "removal": "zero", "metric": "deletion", "auc": auc,
+                "ci_low": auc - 0.01, "ci_high": auc + 0.01, "p_vs_random": p, "num_images": 20}
+               for method, auc, p in (("rollout", 0.3, 0.4), ("chefer2021", 0.2, 0.001), ("random", 0.1, math.nan))],
+              second / "faithfulness.csv")  # the best method is named whatever the row label says
     out = tmp_path / "compare"
     assert eval_cli.main(["--compare", str(first), str(second), "--out", str(out), "--batch-size", "16",
                           "--deletion-images", "4"]) == 0
@@ -73,6 +80,8 @@ def test_compare_two_runs(tiny_run, tmp_path):
     assert float(rows[0]["inference_images_per_s"]) == 456.0 and float(rows[1]["inference_images_per_s"]) > 0
     assert float(rows[1]["deletion_auc"]) == 0.123 and float(rows[1]["deletion_auc_random"]) == 0.456
     assert 0.0 <= float(rows[0]["deletion_auc"]) <= 0.9
+    assert rows[0]["faithfulness_best"] == ""
+    assert rows[1]["faithfulness_best"] == "chefer2021 (deletion AUC 0.200, zero removal, p vs random 0.001, 20 images)"
     assert "| model |" in (out / "compare.md").read_text()
     assert (out / "accuracy_vs_throughput.png").is_file() and (out / "rollout_grid.png").is_file()
 
