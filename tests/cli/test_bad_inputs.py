@@ -179,7 +179,16 @@ EVAL_CASES = [
     ("batch-size 0", ["--checkpoint", "{run}", "--batch-size", "0"], r"--batch-size must be >= 1, got 0"),
     ("no --out", ["--checkpoint", "{run}", "--out"], r"argument --out: expected one argument"),
     ("two modes", ["--checkpoint", "{run}", "--compare", "{run}"], r"not allowed with argument"),
-    ("no mode", [], r"one of the arguments --checkpoint --pretrained --compare --bench-suite is required"),
+    ("faithfulness-images 0", ["--faithfulness", "{run}", "--faithfulness-images", "0"],
+     r"--faithfulness-images must be >= 1, got 0"),
+    ("faithfulness, a run twice", ["--faithfulness", "{run}", "{run}"], r"--faithfulness got the same run more"),
+    ("faithfulness, a missing run", ["--faithfulness", "{run}", "{tmp}/none"], r"no checkpoint at .*none"),
+    ("faithfulness, other classes", ["--faithfulness", "{run}", "--data-dir", "{two}"],
+     r"has the classes \['cat', 'dog'\], the run was trained on"),
+    ("faithfulness, weights not shipped", ["--faithfulness", "pretrained:vit_tiny"],
+     r"the zoo ships no weights for 'vit_tiny'"),
+    ("no mode", [], r"one of the arguments --checkpoint --pretrained --compare --faithfulness --bench-suite is "
+                    r"required"),
 ]
 if not torch.cuda.is_available():
     EVAL_CASES.append(("cuda without a GPU", ["--checkpoint", "{run}", "--device", "cuda"], r"no CUDA GPU is visible"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,12 @@ def test_compare_two_runs(tiny_run, tmp_path):
     (first / "benchmark.json").write_text(json.dumps({"inference_images_per_s": 456.0}))
     (second / "deletion.json").write_text(json.dumps({
         "explanation": "rollout", "auc": {"rollout": 0.123, "random": 0.456}}))
+    from zoo.explain.leaderboard import write_csv
+
+    write_csv([{"model": "vit_nano", "method": method, "removal": "zero", "metric": "deletion", "auc": auc,
+                "ci_low": auc - 0.01, "ci_high": auc + 0.01, "p_vs_random": p, "num_images": 20}
+               for method, auc, p in (("rollout", 0.3, 0.4), ("chefer2021", 0.2, 0.001), ("random", 0.1, math.nan))],
+              second / "faithfulness.csv")  # the best method is named whatever the row label says
     out = tmp_path / "compare"
     assert eval_cli.main(["--compare", str(first), str(second), "--out", str(out), "--batch-size", "16",
                           "--deletion-images", "4"]) == 0
@@ -73,6 +80,8 @@ def test_compare_two_runs(tiny_run, tmp_path):
     assert float(rows[0]["inference_images_per_s"]) == 456.0 and float(rows[1]["inference_images_per_s"]) > 0
     assert float(rows[1]["deletion_auc"]) == 0.123 and float(rows[1]["deletion_auc_random"]) == 0.456
     assert 0.0 <= float(rows[0]["deletion_auc"]) <= 0.9
+    assert rows[0]["faithfulness_best"] == ""
+    assert rows[1]["faithfulness_best"] == "chefer2021 (deletion AUC 0.200, zero removal, p vs random 0.001, 20 images)"
     assert "| model |" in (out / "compare.md").read_text()
     assert (out / "accuracy_vs_throughput.png").is_file() and (out / "rollout_grid.png").is_file()
 
@@ -95,6 +104,43 @@ def test_bad_inputs_exit_2_with_one_line(tiny_run, tmp_path, capsys):
     done = subprocess.run([sys.executable, "eval.py", "--checkpoint", str(foreign), "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def _faithfulness(tiny_run, out, *flags) -> list[dict]:
+    assert eval_cli.main(["--faithfulness", str(tiny_run), "--out", str(out), "--batch-size", "64", *flags]) == 0
+    with (out / "faithfulness.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == ("model", "method", "removal", "metric", "auc", "ci_low", "ci_high",
+                                            "p_vs_random", "num_images")
+        return list(reader)
+
+
+def test_faithfulness_leaderboard(tiny_run, tmp_path, capsys):
+    from zoo.explain import applicable_methods
+    from zoo.models import load_run
+
+    methods = applicable_methods(load_run(tiny_run)[0])
+    assert methods == ["raw_attention", "rollout", "grad_rollout", "chefer2021", "random"]
+    out = tmp_path / "faithfulness"
+    rows = _faithfulness(tiny_run, out, "--faithfulness-images", "20", "--sanity")
+    assert "Best method: **" in capsys.readouterr().out
+    assert {(r["method"], r["removal"], r["metric"]) for r in rows} == {
+        (m, "zero", metric) for m in methods for metric in ("deletion", "insertion")} and len(rows) == 10
+    for row in rows:
+        assert row["model"] == "vit_nano" and row["num_images"] == "20"
+        assert float(row["ci_low"]) <= float(row["auc"]) <= float(row["ci_high"])
+        assert (row["p_vs_random"] == "nan") == (row["method"] == "random")
+    md = (out / "faithfulness.md").read_text()
+    assert "## vit_nano (20 test images)" in md and md.count("(best)") == 2 and "Sanity check (Adebayo" in md
+    assert "| method | head | norm | blocks.5 |" in md
+    for name in ("faithfulness_curves_vit_nano.png", "faithfulness_maps_vit_nano.png"):
+        assert (out / name).stat().st_size > 10_000
+    full = _faithfulness(tiny_run, tmp_path / "full", "--faithfulness-images", "10", "--full-grid",
+                         "--absolute-scale")
+    assert {(r["method"], r["removal"], r["metric"]) for r in full} == {
+        (m, removal, metric) for m in methods for removal in ("zero", "blur", "mean", "road")
+        for metric in ("deletion", "insertion")} and len(full) == 5 * 4 * 2
+    assert {r["num_images"] for r in full} == {"10"}
 
 
 @pytest.mark.parametrize("name", shipped_models())

@@ -86,3 +86,29 @@ def test_scatter_rollout_grid_and_deletion_figures(tmp_path):
     labels = {t.get_text() for t in fig.axes[0].get_legend().get_texts()}
     assert labels == {"rollout (AUC 0.312)", "random (AUC 0.375)"}
     saved_png(fig, tmp_path, "deletion.png")
+
+
+def test_faithfulness_curves_figure_has_a_panel_per_removal_and_metric(tmp_path):
+    fractions = [0.0, 0.5, 1.0]
+    band = ([0.9, 0.5, 0.1], [0.8, 0.4, 0.05], [1.0, 0.6, 0.15])
+    bands = {(r, m): {"rollout": band, "random": band} for r in ("zero", "blur") for m in ("deletion", "insertion")}
+    fig = viz.faithfulness_curves_figure(bands, fractions, title="vit_nano")
+    assert len(fig.axes) == 4
+    found = texts(fig)
+    assert "deletion, blur removal (lower area = more faithful)" in found
+    assert "fraction of 8x8 patches inserted, most important first" in found
+    assert any("bootstrap 95% CI" in t for t in found)
+    saved_png(fig, tmp_path)
+
+
+def test_methods_grid_marks_min_max_scaling_and_has_absolute_colour_bars(tmp_path):
+    images = torch.rand(3, 3, 32, 32)
+    heatmaps = {"rollout": torch.rand(3, 8, 8) * 0.03, "gradcam": torch.rand(3, 8, 8) * 5}
+    relative = viz.methods_grid_figure(images, heatmaps, captions=["cat", "dog", "ship"], title="m")
+    assert "m (each map scaled min->max on its own)" in texts(relative)
+    absolute = viz.methods_grid_figure(images, heatmaps, absolute=True)
+    found = texts(absolute)
+    assert "absolute colour scale per method" in found and {"rollout", "gradcam"} <= found
+    bars = [ax for ax in absolute.axes if ax.get_label() == "<colorbar>"]
+    assert len(bars) == 2 and bars[0].get_ylim()[1] == pytest.approx(heatmaps["rollout"].max().item(), rel=1e-5)
+    saved_png(absolute, tmp_path)

@@ -1,7 +1,9 @@
 """Explaining what the models look at: recording attention maps and CBAM gates (``record``), attention rollout
 and heatmaps (``rollout``), every explanation method behind one call, ``attribute`` (``methods``), the deletion
-test of faithfulness (``faithfulness``), evaluation and comparison reports of trained runs (``report``) and
-figures (``figures``, the only place that imports matplotlib).
+test of faithfulness (``faithfulness``), deletion / insertion curves with statistics (``perturbation``), the
+faithfulness leaderboard (``leaderboard``; ``faithfulness_report`` for whole runs, what ``eval.py --faithfulness``
+does), the model-randomisation sanity check (``sanity``), evaluation and comparison reports of trained runs
+(``report``) and figures (``figures``, the only place that imports matplotlib).
 Imports ``zoo.models`` and ``zoo.layers``; ``report`` also reads data and runs through ``zoo.train`` and times
 models through ``zoo.bench``. ``report`` and ``figures`` load only when imported by name."""
 

@@ -4,6 +4,8 @@
                    [--deletion] [--benchmark] [--data-dir DIR] [--max-test-images N] [--batch-size B]
     python eval.py --pretrained hybrid_tiny --data-dir DIR --out eval/hybrid_tiny [--attention ...]
     python eval.py --compare runs/vit_tiny/<id> runs/resnet18_cbam/<id> --out eval/compare
+    python eval.py --faithfulness runs/hybrid_tiny/<id> [pretrained:NAME ...] --out eval/faithfulness
+                   [--faithfulness-images 1000] [--full-grid] [--sanity] [--absolute-scale]
     python eval.py --bench-suite --out bench [--data-dir DIR]
 
 User errors (missing / truncated / foreign checkpoint, missing data) print one line and exit with code 2.
@@ -25,6 +27,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     what.add_argument("--pretrained", metavar="NAME",
                       help="a model whose weights ship with the zoo (zoo.models.shipped_models()); no run needed")
     what.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="run directories to compare")
+    what.add_argument("--faithfulness", nargs="+", metavar="RUN",
+                      help="the faithfulness leaderboard of these runs (run directories, .ckpt files, or "
+                      "pretrained:NAME): every applicable explanation method scored by deletion and insertion AUC "
+                      "with bootstrap CIs and a paired test against random (faithfulness.csv, faithfulness.md, "
+                      "figures; ~10 min per hybrid_tiny on 1 CPU core with the defaults)")
     what.add_argument("--bench-suite", action="store_true",
                       help="the benchmark suite: attention op and vit_tiny vs timm, memory per backend, MFU, "
                       "input pipeline, optimisation claims (bench.json + bench.md; ~5 min on 2 CPU cores)")
@@ -41,11 +48,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-images", type=int, default=8, help="test images to explain with --attention")
     p.add_argument("--deletion", action="store_true", help="run the deletion (faithfulness) test")
     p.add_argument("--deletion-images", type=int, default=256, help="test images for the deletion test")
+    p.add_argument("--faithfulness-images", type=int, default=1000,
+                   help="test images for --faithfulness, the same number from every class")
+    p.add_argument("--full-grid", action="store_true",
+                   help="--faithfulness with every removal (zero, blur, mean, road) instead of zero only (~5x "
+                   "slower)")
+    p.add_argument("--sanity", action="store_true", help="--faithfulness also runs the model-randomisation sanity "
+                   "check (Adebayo et al. 2018) on up to 100 of the images")
+    p.add_argument("--absolute-scale", action="store_true", help="--faithfulness draws each method's maps on one "
+                   "absolute colour scale instead of scaling every map min->max")
     p.add_argument("--benchmark", action="store_true", help="inference / training images/s, latency, memory")
     p.add_argument("--precision", default="32", help="benchmark precision: 32, bf16-mixed, 16-mixed")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when a GPU is visible, else cpu)")
     args = p.parse_args(argv)
-    for name in ("max_test_images", "num_images", "deletion_images", "batch_size"):
+    for name in ("max_test_images", "num_images", "deletion_images", "faithfulness_images", "batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -71,6 +87,18 @@ def main(argv=None) -> int:
 
             run_suite(args.out, data_dir=args.data_dir, device=args.device)
             print(open(f"{args.out}/bench.md").read())
+            return 0
+        if args.faithfulness:
+            from zoo.explain.faithfulness_report import DEFAULT_REMOVALS, faithfulness_report
+            from zoo.explain.perturbation import REMOVALS
+
+            faithfulness_report(args.faithfulness, args.out, data_dir=args.data_dir,
+                                num_images=args.faithfulness_images,
+                                removals=REMOVALS if args.full_grid else DEFAULT_REMOVALS, sanity=args.sanity,
+                                absolute_scale=args.absolute_scale, batch_size=args.batch_size, device=args.device,
+                                cache_dir=args.cache_dir)
+            print(open(f"{args.out}/faithfulness.md").read())
+            print(f"wrote {args.out}")
             return 0
         if args.compare:
             compare_runs(args.compare, args.out, data_dir=args.data_dir, batch_size=args.batch_size,

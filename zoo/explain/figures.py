@@ -1,6 +1,7 @@
 """Matplotlib figures for explaining and comparing models: heatmap overlays,
 per-layer per-head attention grids, per-image explanation panels, confusion matrices, accuracy-vs-throughput
-scatters, rollout grids across models, and deletion curves (see zoo.explain). Built on
+scatters, rollout grids across models, deletion curves (see zoo.explain), and the faithfulness leaderboard's
+curves with bootstrap bands and its grid of the same images explained by every method. Built on
 ``matplotlib.figure.Figure`` directly: no pyplot, so no backend is chosen or switched and no display is needed.
 
 Every ``*_figure`` function returns a ``matplotlib.figure.Figure``; ``save`` writes it as a PNG.
@@ -43,12 +44,15 @@ def _image(image: torch.Tensor) -> np.ndarray:
     return image.detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy()
 
 
-def upsample_heatmap(heatmap: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
-    """(gh, gw) heatmap -> (H, W) numpy, bilinearly upsampled and rescaled to [0, 1] (min -> 0, max -> 1)."""
+def upsample_heatmap(heatmap: torch.Tensor, size: tuple[int, int], *, rescale: bool = True) -> np.ndarray:
+    """(gh, gw) heatmap -> (H, W) numpy, bilinearly upsampled and (``rescale``) rescaled to [0, 1] (min -> 0,
+    max -> 1)."""
     if heatmap.dim() != 2:
         raise ValueError(f"heatmap must be (gh, gw), got {tuple(heatmap.shape)}")
     up = F.interpolate(heatmap.detach().float().cpu()[None, None], size=size, mode="bilinear",
                        align_corners=False)[0, 0]
+    if not rescale:
+        return up.numpy()
     span = up.max() - up.min()
     return ((up - up.min()) / span if span > 0 else torch.zeros_like(up)).numpy()
 
@@ -218,4 +222,70 @@ def deletion_figure(result: Mapping, *, title: str = "deletion test") -> Figure:
     ax.set_title(f"{title} ({result['num_images']} images; lower AUC = more faithful)", fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
+    return fig
+
+
+def faithfulness_curves_figure(bands: Mapping[tuple[str, str], Mapping[str, tuple]], fractions: Sequence[float], *,
+                               title: str) -> Figure:
+    """One panel per (removal, metric) (rows: removals, columns: metrics): for every method its mean curve of the
+    true class's probability over the fraction of patches removed (deletion) or inserted (insertion), with its
+    bootstrap 95% band. ``bands``: {(removal, metric): {method: (mean, low, high), each (F,)}}."""
+    removals = list(dict.fromkeys(r for r, _ in bands))
+    metrics = list(dict.fromkeys(m for _, m in bands))
+    fig, axes = _subplots(len(removals), len(metrics), squeeze=False, layout="constrained",
+                          figsize=(5.2 * len(metrics), 3.9 * len(removals)))
+    for (removal, metric), by_method in bands.items():
+        ax = axes[removals.index(removal), metrics.index(metric)]
+        for method, (mean, low, high) in by_method.items():
+            style = dict(color="0.4", linestyle="--") if method == "random" else {}
+            line = ax.plot(fractions, mean, marker=".", label=method, **style)[0]
+            ax.fill_between(fractions, low, high, color=line.get_color(), alpha=0.18, linewidth=0)
+        what = "removed" if metric == "deletion" else "inserted"
+        better = "lower" if metric == "deletion" else "higher"
+        ax.set_xlabel(f"fraction of 8x8 patches {what}, most important first")
+        ax.set_ylabel("probability of the true class")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{metric}, {removal} removal ({better} area = more faithful)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{title} (bands: bootstrap 95% CI of the mean)")
+    return fig
+
+
+def methods_grid_figure(images: torch.Tensor, heatmaps: Mapping[str, torch.Tensor], *,
+                        captions: Sequence[str] | None = None, absolute: bool = False, title: str = "") -> Figure:
+    """The same images (n, 3, H, W) in [0, 1] (columns) explained by every method (rows; ``heatmaps``: {method:
+    (n, gh, gw)}). ``absolute``: each method's maps drawn on one colour scale, from min(0, its smallest value) to
+    its largest, shared by the images of its row, with its own colour bar; otherwise every map is scaled
+    min->max on its own (said in the title): a flat map then looks as confident as a peaked one."""
+    n = images.shape[0]
+    rows = 1 + len(heatmaps)
+    fig, axes = _subplots(rows, n, figsize=(1.8 * n + 1.8, 1.9 * rows), squeeze=False, layout="constrained")
+    for col in range(n):
+        axes[0, col].imshow(_image(images[col]))
+        axes[0, col].set_xticks([])
+        axes[0, col].set_yticks([])
+        if captions is not None:
+            axes[0, col].set_title(captions[col], fontsize=8)
+    axes[0, 0].set_ylabel("image", fontsize=9)
+    for row, (method, maps) in enumerate(heatmaps.items(), start=1):
+        low, high = min(0.0, maps.min().item()), maps.max().item()
+        for col in range(n):
+            ax = axes[row, col]
+            if absolute:
+                pixels = _image(images[col])
+                ax.imshow(pixels)
+                shown = ax.imshow(upsample_heatmap(maps[col], pixels.shape[:2], rescale=False), cmap=HEATMAP_CMAP,
+                                  alpha=0.5, vmin=low, vmax=high if high > low else low + 1)
+                ax.set_xticks([])
+                ax.set_yticks([])
+            else:
+                overlay(ax, images[col], maps[col])
+        axes[row, 0].set_ylabel(method, fontsize=9)
+        if absolute:
+            fig.colorbar(shown, ax=axes[row, :], fraction=0.02, pad=0.01, label=method)
+    if not absolute:
+        heatmap_colorbar(fig, axes[1:, :])
+    scale = "absolute colour scale per method" if absolute else "each map scaled min->max on its own"
+    fig.suptitle(f"{title} ({scale})" if title else scale)
     return fig

@@ -1,6 +1,9 @@
 """The faithfulness leaderboard of one model: every applicable explanation method (``methods``) scored by
 deletion and insertion AUC under each chosen removal (``perturbation``), with bootstrap 95% CIs and the one-sided
-paired test against the random map on the same images, as rows of ``faithfulness.csv``."""
+paired test against the random map on the same images, as rows of ``faithfulness.csv``.
+
+The points of a curve where no patch or every patch is removed are the same for every method (the image itself,
+or the image with everything removed), so they are scored once per removal and shared."""
 
 from __future__ import annotations
 
@@ -11,11 +14,76 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .methods import applicable_methods, attribute
-from .perturbation import FRACTIONS, METRICS, faithfulness_summary, perturbation_curves
+from .perturbation import FRACTIONS, METRICS, bootstrap_ci, faithfulness_summary, perturbation_curves
 
 COLUMNS = ("model", "method", "removal", "metric", "auc", "ci_low", "ci_high", "p_vs_random", "num_images")
+
+
+def method_heatmaps(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
+                    methods: Sequence[str] | None = None, grid: int = 8, batch_size: int = 256, seed: int = 0,
+                    progress: bool = False) -> dict[str, torch.Tensor]:
+    """{method: heatmaps (B, gh, gw)} explaining ``labels`` for every method in ``methods`` (default every one
+    that applies), with "random" (on a ``grid`` x ``grid`` grid) always last, computed in batches."""
+    device = next(model.parameters()).device
+    methods = [m for m in (methods or applicable_methods(model)) if m != "random"] + ["random"]
+    heatmaps = {}
+    for method in tqdm(methods, desc="explaining", unit="method", disable=not progress, leave=False):
+        options = dict(grid=(grid, grid), seed=seed) if method == "random" else {}
+        heatmaps[method] = torch.cat([
+            attribute(model, images[i:i + batch_size].to(device), method, labels[i:i + batch_size].to(device),
+                      **options) for i in range(0, len(images), batch_size)])
+    return heatmaps
+
+
+def faithfulness_curves(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                        heatmaps: dict[str, torch.Tensor], *, removals: Sequence[str] = ("zero",),
+                        metrics: Sequence[str] = METRICS, fractions: Sequence[float] = FRACTIONS, grid: int = 8,
+                        batch_size: int = 256, seed: int = 0,
+                        progress: bool = False) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+    """{(removal, metric): {method: per-image curves (B, F)}} of ``perturbation_curves`` for every heatmap. The
+    fractions that remove no patch or every patch are scored once per removal and shared by all methods."""
+    cells = grid * grid
+    inner = [j for j, f in enumerate(fractions) if 0 < round(f * cells) < cells]
+    options = dict(fractions=[fractions[j] for j in inner], grid=grid, batch_size=batch_size, seed=seed)
+    any_map = next(iter(heatmaps.values()))
+    found = {}
+    bar = tqdm(total=len(removals) * len(metrics) * len(heatmaps), desc="perturbing", unit="curve",
+               disable=not progress, leave=False)
+    for removal in removals:
+        # column 0: nothing removed, column 1: everything removed (deletion of fractions 0 and 1)
+        ends = perturbation_curves(model, images, labels, any_map, metric="deletion", removal=removal,
+                                   fractions=(0.0, 1.0), grid=grid, batch_size=batch_size, seed=seed)
+        for metric in metrics:
+            found[removal, metric] = {}
+            for method, heatmap in heatmaps.items():
+                curves = torch.empty(len(images), len(fractions))
+                for j, f in enumerate(fractions):
+                    removes_all = (round(f * cells) == cells) == (metric == "deletion")
+                    curves[:, j] = ends[:, int(removes_all)]
+                if inner:
+                    curves[:, inner] = perturbation_curves(model, images, labels, heatmap, metric=metric,
+                                                           removal=removal, **options)
+                found[removal, metric][method] = curves
+                bar.update()
+    bar.close()
+    return found
+
+
+def rows_from_curves(curves: dict[tuple[str, str], dict[str, torch.Tensor]], *, model_name: str,
+                     fractions: Sequence[float] = FRACTIONS, seed: int = 0) -> list[dict]:
+    """One row (``COLUMNS``) per (removal, metric) and method of ``faithfulness_curves``' result; "random" is the
+    baseline every p_vs_random is paired against (its own is NaN)."""
+    rows = []
+    for (removal, metric), by_method in curves.items():
+        for method, curve in by_method.items():
+            summary = faithfulness_summary(fractions, curve, by_method["random"], metric=metric, seed=seed)
+            if method == "random":
+                summary["p_vs_random"] = math.nan
+            rows.append({"model": model_name, "method": method, "removal": removal, "metric": metric, **summary})
+    return rows
 
 
 def faithfulness_rows(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, model_name: str,
@@ -26,27 +94,44 @@ def faithfulness_rows(model: nn.Module, images: torch.Tensor, labels: torch.Tens
     (B, C, H, W) with true ``labels`` (B,): the class every method explains and every curve scores.
     ``methods``: default every one that applies (``applicable_methods``); "random" is always scored, as the
     baseline (its own p_vs_random is NaN). Heatmaps are computed in batches of ``batch_size``."""
-    device = next(model.parameters()).device
-    methods = [m for m in (methods or applicable_methods(model)) if m != "random"] + ["random"]
-    heatmaps = {}
-    for method in methods:
-        options = dict(grid=(grid, grid), seed=seed) if method == "random" else {}
-        heatmaps[method] = torch.cat([
-            attribute(model, images[i:i + batch_size].to(device), method, labels[i:i + batch_size].to(device),
-                      **options) for i in range(0, len(images), batch_size)])
-    rows = []
-    for removal in removals:
-        for metric in metrics:
-            curves = {method: perturbation_curves(model, images, labels, heatmap, metric=metric, removal=removal,
-                                                  fractions=fractions, grid=grid, batch_size=batch_size, seed=seed)
-                      for method, heatmap in heatmaps.items()}
-            for method, curve in curves.items():
-                summary = faithfulness_summary(fractions, curve, curves["random"], metric=metric, seed=seed)
-                if method == "random":
-                    summary["p_vs_random"] = math.nan
-                rows.append({"model": model_name, "method": method, "removal": removal, "metric": metric,
-                             **summary})
-    return rows
+    heatmaps = method_heatmaps(model, images, labels, methods=methods, grid=grid, batch_size=batch_size, seed=seed)
+    curves = faithfulness_curves(model, images, labels, heatmaps, removals=removals, metrics=metrics,
+                                 fractions=fractions, grid=grid, batch_size=batch_size, seed=seed)
+    return rows_from_curves(curves, model_name=model_name, fractions=fractions, seed=seed)
+
+
+def curve_bands(curves: dict[tuple[str, str], dict[str, torch.Tensor]], *,
+                seed: int = 0) -> dict[tuple[str, str], dict[str, tuple]]:
+    """{(removal, metric): {method: (mean, ci_low, ci_high)}}, each a list over the fractions: the mean curve
+    over images and its percentile bootstrap 95% interval at each fraction (for the figures)."""
+    bands = {}
+    for key, by_method in curves.items():
+        bands[key] = {}
+        for method, curve in by_method.items():
+            low, high = zip(*(bootstrap_ci(curve[:, j], seed=seed) for j in range(curve.shape[1])), strict=True)
+            bands[key][method] = (curve.mean(dim=0).tolist(), list(low), list(high))
+    return bands
+
+
+def best_rows(rows: Iterable[dict]) -> dict[tuple[str, str, str], dict]:
+    """{(model, removal, metric): the row of the best method other than random} (deletion: lowest AUC,
+    insertion: highest)."""
+    best = {}
+    for row in rows:
+        if row["method"] == "random":
+            continue
+        key = row["model"], row["removal"], row["metric"]
+        sign = 1 if row["metric"] == "deletion" else -1
+        if key not in best or sign * row["auc"] < sign * best[key]["auc"]:
+            best[key] = row
+    return best
+
+
+def best_method(rows: Iterable[dict], model: str) -> dict | None:
+    """``model``'s headline method: the best by deletion AUC under zero removal (else under the first removal
+    its rows have), or None when the rows hold no method but random for it."""
+    best = {k: r for k, r in best_rows(rows).items() if k[0] == model and k[2] == "deletion"}
+    return best.get((model, "zero", "deletion")) or next(iter(best.values()), None)
 
 
 def write_csv(rows: Iterable[dict], path: str | Path) -> None:
@@ -54,3 +139,17 @@ def write_csv(rows: Iterable[dict], path: str | Path) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    """The rows of a faithfulness.csv, numbers as numbers; a file without ``COLUMNS`` -> ValueError."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != COLUMNS:
+            raise ValueError(f"{path} is not a faithfulness.csv: expected the columns {', '.join(COLUMNS)}, got "
+                             f"{', '.join(reader.fieldnames or ())}")
+        rows = list(reader)
+    for row in rows:
+        row |= {k: float(row[k]) for k in ("auc", "ci_low", "ci_high", "p_vs_random")}
+        row["num_images"] = int(row["num_images"])
+    return rows

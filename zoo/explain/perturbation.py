@@ -115,6 +115,10 @@ def perturbation_curves(model: nn.Module, images: torch.Tensor, targets: torch.T
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(grid * grid).expand(b, -1))  # 0 = most important
     jobs = [(i, j) for i in range(b) for j in range(len(fractions))]
     generator = torch.Generator().manual_seed(seed)
+    fill = None  # zero / mean / blur: what a removed pixel becomes depends on its image only, so made once
+    if removal != "road":
+        fill = remove(images.to(device), torch.ones(b, 1, h, w, dtype=torch.bool, device=device), removal,
+                      **removal_options)
     scores = torch.empty(b, len(fractions))
     for start in range(0, len(jobs), batch_size):
         index, column = (torch.tensor(t) for t in zip(*jobs[start:start + batch_size], strict=True))
@@ -122,8 +126,11 @@ def perturbation_curves(model: nn.Module, images: torch.Tensor, targets: torch.T
         top = rank[index] < counts[:, None]  # (n, grid * grid): among the top f
         removed = top if metric == "deletion" else ~top
         removed = removed.reshape(-1, 1, grid, grid).repeat_interleave(h // grid, 2).repeat_interleave(w // grid, 3)
-        perturbed = remove(images[index].to(device), removed.to(device), removal, generator=generator,
-                           **removal_options)
+        if fill is None:
+            perturbed = remove(images[index].to(device), removed.to(device), removal, generator=generator,
+                               **removal_options)
+        else:
+            perturbed = torch.where(removed.to(device), fill[index.to(device)], images[index].to(device))
         probs = model(perturbed).float().softmax(dim=-1)
         scores[index, column] = probs.gather(1, targets[index].to(device)[:, None])[:, 0].cpu()
     return scores

@@ -24,6 +24,7 @@ from ..train.device import eval_device
 from ..train.runs import write_json
 from . import figures as viz
 from .faithfulness import deletion_test
+from .leaderboard import best_method, read_csv
 from .rollout import explain
 
 
@@ -203,11 +204,25 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _best_faithfulness(run_dir: Path, out: Path, *labels: str) -> dict | None:
+    """The best method (``leaderboard.best_method``) of a faithfulness.csv in the run directory (or else in the
+    compare output folder) for the first of ``labels`` (the compare label, the model name, the run id) that it
+    has rows for; None when there is no such file or row."""
+    for path in (run_dir / "faithfulness.csv", out / "faithfulness.csv"):
+        if path.is_file():
+            rows = read_csv(path)
+            found = next((b for b in (best_method(rows, label) for label in labels) if b is not None), None)
+            if found is not None:
+                return found
+    return None
+
+
 def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: str | None = None,
                  batch_size: int = 256, deletion_images: int = 64, grid_images: int = 6,
                  cache_dir: str | None = None) -> list[dict]:
     """Side by side: compare.md, compare.csv (model, params, FLOPs, test top-1, train and inference images/s,
-    deletion AUC of the model's explanation and of random), accuracy_vs_throughput.png, and rollout_grid.png
+    deletion AUC of the model's explanation and of random, and the best method of an ``eval.py --faithfulness``
+    leaderboard found in the run directory or in ``out``), accuracy_vs_throughput.png, and rollout_grid.png
     (the same test images' rollouts, or CBAM maps, across models). Reuses each run's summary.json and any
     metrics.json / benchmark.json / deletion.json found in the run directory; measures only what is missing
     (inference images/s with few repeats; deletion on ``deletion_images`` seeded test images; test top-1, if
@@ -240,6 +255,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
             top1 = evaluate(model, dm)[0]["test_top1"]
         run_id = run_dir.name if names.count(run_dir.name) == 1 else str(run_dir)
         label = f"{meta['model_name']} ({run_id})" if len(run_dirs) > 1 else meta["model_name"]
+        best = _best_faithfulness(run_dir, out, label, meta["model_name"], run_dir.name)
         explained = deletion["explanation"]
         rows.append({
             "model": label, "params": summary.get("params"), "flops": summary.get("flops"), "test_top1": top1,
@@ -247,6 +263,9 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
             "deletion_explanation": explained,
             "deletion_auc": deletion["auc"].get(explained) if explained else None,
             "deletion_auc_random": deletion["auc"]["random"],
+            "faithfulness_best": None if best is None else (
+                f"{best['method']} (deletion AUC {best['auc']:.3f}, {best['removal']} removal, p vs random "
+                f"{best['p_vs_random']:.2g}, {best['num_images']} images)"),
         })
         if grid is None:
             grid = (*spread_test_images(dm, grid_images), dm)
@@ -277,5 +296,6 @@ def _write_table(rows: list[dict], out: Path) -> None:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
     note = ("\nAccuracies are fractions of the test set. Deletion AUC: area under top-1 vs fraction of 8x8 "
-            "patches blanked, most important first (lower = more faithful explanation).\n")
+            "patches blanked, most important first (lower = more faithful explanation). faithfulness_best: the best "
+            "method of the faithfulness.csv (eval.py --faithfulness) in the run directory or this folder.\n")
     (out / "compare.md").write_text("\n".join(lines) + "\n" + note)

@@ -1,0 +1,164 @@
+"""What ``eval.py --faithfulness RUN [RUN ...] --out DIR`` does: for every run (a run directory or checkpoint
+written by train.py, or ``pretrained:NAME`` for a model whose weights ship with the zoo), explain test images
+spread evenly over the classes with every method that applies (``methods``), score each by deletion and insertion
+under the chosen removals with CIs and the paired test against random (``leaderboard``), and write into ``out``:
+
+- faithfulness.csv: ``leaderboard.COLUMNS``, one row per model x method x removal x metric;
+- faithfulness.md: a table per model with the best method of each column marked, and with ``sanity`` the
+  model-randomisation check (``sanity``) as a table of rank correlations;
+- faithfulness_curves_<model>.png: the mean curves with bootstrap bands; faithfulness_maps_<model>.png: the same
+  test images explained by every method (absolute colour scale with ``absolute_scale``).
+
+Every check (device, checkpoints, each run's data classes) comes before any image is decoded, and nothing is
+written until every model is done."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..models.checkpoints import load_run, load_shipped
+from ..train.data import ImageDataModule
+from ..train.device import eval_device
+from . import figures as viz
+from . import leaderboard as board
+from .perturbation import FRACTIONS, METRICS, REMOVALS
+from .report import check_data_classes, data_module_for
+from .sanity import cascading_randomisation
+
+DEFAULT_REMOVALS = ("zero",)  # blur and mean each add about the time of zero, ROAD ~2.5x it: the full grid ~5x
+PRETRAINED = "pretrained:"
+
+
+def balanced_test_images(dm: ImageDataModule, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` uint8 test images and their labels, the same number from every class (the first classes take
+    one more where ``count`` does not divide evenly; a class with too few gives all it has), evenly spaced
+    within each class, grouped by class."""
+    labels, picks = dm.test_dataset.labels, []
+    for c in range(dm.num_classes):
+        index = (labels == c).nonzero()[:, 0]
+        wanted = min(len(index), count // dm.num_classes + (c < count % dm.num_classes))
+        if wanted:
+            picks.append(index[torch.linspace(0, len(index) - 1, wanted).round().long()])
+    index = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long)
+    return dm.test_dataset.images[index], labels[index]
+
+
+def load_source(source: str | Path):
+    """(model, meta) of a run directory / .ckpt, or of ``pretrained:NAME``; bad ones -> ValueError."""
+    source = str(source)
+    return load_shipped(source.removeprefix(PRETRAINED)) if source.startswith(PRETRAINED) else load_run(source)
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")
+
+
+def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_dir: str | None = None,
+                        num_images: int = 1000, removals: Sequence[str] = DEFAULT_REMOVALS,
+                        sanity: bool = False, sanity_images: int = 100, grid_images: int = 6,
+                        absolute_scale: bool = False, batch_size: int = 256, device: str | None = None,
+                        cache_dir: str | None = None, seed: int = 0, progress: bool = True) -> list[dict]:
+    """Everything ``eval.py --faithfulness`` does (see the module docstring); returns the CSV's rows. The sanity
+    check runs on the first ``sanity_images`` of the images (spread over the classes too). A run given twice,
+    an unknown removal, a bad checkpoint or data whose classes are not the run's -> ValueError."""
+    out = Path(out)
+    if num_images < 1:
+        raise ValueError(f"num_images must be >= 1, got {num_images}")
+    unknown = [r for r in removals if r not in REMOVALS]
+    if unknown or not removals:
+        raise ValueError(f"removals must be some of {REMOVALS}, got {list(removals)}")
+    resolved = [str(s) if str(s).startswith(PRETRAINED) else str(Path(s).resolve()) for s in sources]
+    twice = sorted({str(s) for s, r in zip(sources, resolved, strict=True) if resolved.count(r) > 1})
+    if twice:
+        raise ValueError(f"--faithfulness got the same run more than once: {', '.join(twice)}")
+    device = eval_device(device)
+    loaded = [load_source(s) for s in sources]
+    for _, meta in loaded:  # every run's data checked before any is decoded
+        check_data_classes(meta, data_dir)
+    names = [meta["model_name"] for _, meta in loaded]
+    rows, figures, sanity_found, counts = [], {}, {}, {}
+    for source, (model, meta) in zip(sources, loaded, strict=True):
+        name = meta["model_name"]
+        label = name if names.count(name) == 1 else f"{name} ({Path(str(source)).name})"
+        model.to(device).eval()
+        dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, cache_dir=cache_dir)
+        if str(source).startswith(PRETRAINED):  # normalised as the weights were trained
+            dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
+        images, labels = balanced_test_images(dm, num_images)
+        normalised = dm.normalize(images)
+        counts[label] = len(images)
+        print(f"{label}: explaining {len(images)} test images, removals {', '.join(removals)}", flush=True)
+        heatmaps = board.method_heatmaps(model, normalised, labels, batch_size=batch_size, seed=seed, progress=progress)
+        curves = board.faithfulness_curves(model, normalised, labels, heatmaps, removals=removals, metrics=METRICS,
+                                     batch_size=batch_size, seed=seed, progress=progress)
+        rows += board.rows_from_curves(curves, model_name=label, seed=seed)
+        shown = torch.linspace(0, len(images) - 1, min(grid_images, len(images))).round().long()
+        figures[f"faithfulness_curves_{_slug(label)}.png"] = viz.faithfulness_curves_figure(
+            board.curve_bands(curves, seed=seed), FRACTIONS, title=f"{label}: {len(images)} test images")
+        figures[f"faithfulness_maps_{_slug(label)}.png"] = viz.methods_grid_figure(
+            images[shown].float() / 255, {m: h[shown] for m, h in heatmaps.items()}, absolute=absolute_scale,
+            captions=[dm.class_names[i] for i in labels[shown]], title=f"{label}: the true class explained")
+        if sanity:
+            part = torch.linspace(0, len(images) - 1, min(sanity_images, len(images))).round().long()
+            sanity_found[label] = cascading_randomisation(model, normalised[part], labels[part], list(heatmaps),
+                                                          batch_size=batch_size, seed=seed, progress=progress)
+    out.mkdir(parents=True, exist_ok=True)
+    board.write_csv(rows, out / "faithfulness.csv")
+    (out / "faithfulness.md").write_text(faithfulness_markdown(rows, counts, sanity_found))
+    for file, fig in figures.items():
+        viz.save(fig, out / file)
+    return rows
+
+
+def _cell(row: dict, best: bool) -> str:
+    p = "" if math.isnan(row["p_vs_random"]) else f", p={row['p_vs_random']:.2g}"
+    text = f"{row['auc']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]{p}"
+    return f"**{text}** (best)" if best else text
+
+
+def faithfulness_markdown(rows: list[dict], counts: dict[str, int], sanity: dict[str, dict] | None = None) -> str:
+    """faithfulness.md: what the numbers are, then per model a table (rows: methods, columns: metric x removal)
+    with the best method of each column in bold, its headline best method, and its sanity check if run."""
+    lines = ["# Faithfulness of explanation methods", "",
+             "Cells: AUC of the curve of the true class's softmax probability as 8x8 patches are removed in the "
+             "order a method ranks them (deletion, most important first: lower = more faithful) or inserted into "
+             "the fully removed image (insertion: higher = more faithful); mean over the test images (spread "
+             "evenly over the classes) with its bootstrap 95% CI, and p = a one-sided paired sign-flip test that "
+             "the method beats random on the same images. Bold: the best method (not random) in its column.", ""]
+    best = board.best_rows(rows)
+    for model, count in counts.items():
+        mine = [r for r in rows if r["model"] == model]
+        columns = list(dict.fromkeys((r["metric"], r["removal"]) for r in mine))
+        methods = list(dict.fromkeys(r["method"] for r in mine))
+        cell = {(r["method"], r["metric"], r["removal"]): r for r in mine}
+        lines += [f"## {model} ({count} test images)", "",
+                  "| method | " + " | ".join(f"{m}, {r} removal" for m, r in columns) + " |",
+                  "|---|" + "---|" * len(columns)]
+        for method in methods:
+            lines.append(f"| {method} | " + " | ".join(
+                _cell(cell[method, m, r], best.get((model, r, m)) is cell[method, m, r]) for m, r in columns) + " |")
+        top = board.best_method(rows, model)
+        if top is not None:
+            lines += ["", f"Best method: **{top['method']}** (deletion AUC {top['auc']:.3f} with {top['removal']} "
+                      f"removal, p vs random {top['p_vs_random']:.2g})."]
+        if sanity and model in sanity:
+            lines += ["", *_sanity_table(sanity[model])]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _sanity_table(found: dict) -> list[str]:
+    layers = found["layers"]
+    lines = [f"Sanity check (Adebayo et al. 2018, cascading randomisation, {found['num_images']} images): Spearman "
+             "rank correlation of each method's maps with the trained model's, as the layers are re-initialised "
+             "from the top down (each column: that layer and every one left of it). A method that explains the "
+             "model falls towards 0; one that stays near 1 does not depend on those weights.", "",
+             "| method | " + " | ".join(layers) + " |", "|---|" + "---|" * len(layers)]
+    for method, values in found["spearman"].items():
+        lines.append(f"| {method} | " + " | ".join("n/a" if math.isnan(v) else f"{v:.2f}" for v in values) + " |")
+    return lines
