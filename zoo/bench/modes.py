@@ -21,7 +21,7 @@ from torch import nn
 
 from ..models import create_model
 from ..train.device import cpu_has_native_bf16, machine_name
-from .timing import interleaved_medians
+from .timing import interleaved_medians, measure_inference
 
 MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled")
 
@@ -65,12 +65,17 @@ def mode_steps(name: str, batch: int, modes=MODES) -> tuple[dict[str, Callable[[
 
 
 def bench_modes(names, batch: int = 128, repeats: int = 5, modes=MODES) -> list[dict]:
-    """[{"model", "batch", "<mode>_img_s" per mode, "compile_s", "<mode>_vs_fp32" ratios}] on the CPU."""
+    """[{"model", "batch", "<mode>_img_s" per mode, "compile_s", "<mode>_vs_fp32" ratios, "infer_img_s"
+    (fp32 eval-mode forward at batch 256, channels_last for the conv models as train.py runs them)}]."""
     rows = []
     for name in names:
+        model = create_model(name)
+        if name.startswith(("resnet", "hybrid")):  # as train.py runs them (channels_last "auto")
+            model = model.to(memory_format=torch.channels_last)
+        infer = measure_inference(model, (3, *model.img_size), 256, repeats=repeats)
         steps, compile_s = mode_steps(name, batch, modes)
         seconds = interleaved_medians(steps, repeats=repeats)
-        row = {"model": name, "batch": batch, "compile_s": compile_s}
+        row = {"model": name, "batch": batch, "compile_s": compile_s, "infer_img_s": infer}
         row.update({f"{m}_img_s": batch / s for m, s in seconds.items()})
         row.update({f"{m}_vs_fp32": seconds["fp32"] / s for m, s in seconds.items() if m != "fp32"})
         rows.append(row)
