@@ -166,8 +166,9 @@ def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights:
 
     Banded when the mask is a spec with a window and no weights are wanted: each chunk of ``band_rows`` rows
     attends only the keys its window can reach (``MaskSpec.key_range``), so work and memory grow linearly in
-    N, and autograd runs through it plainly (as lucidrains' local-attention). Otherwise each chunk sees every
-    key and in training is recomputed in backward (activation checkpointing), so memory stays linear in N."""
+    N, and autograd runs through it plainly (as lucidrains' local-attention); each band goes through SDPA.
+    Otherwise each chunk sees every key and in training is recomputed in backward (activation checkpointing),
+    so memory stays linear in N."""
     banded = masking.banded and not need_weights
     recompute = (not banded and torch.is_grad_enabled()
                  and (q.requires_grad or k.requires_grad or v.requires_grad))
@@ -180,6 +181,8 @@ def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights:
 
         def chunk(q_rows, k, v, rows=rows, cols=cols):
             bias, row_ok = masking.bias(rows, q_rows.dtype, q_rows.device, cols)
+            if banded:  # SDPA's kernel per band: 10-20% faster than the explicit softmax here (CPU, fp32)
+                return sdpa_attention(q_rows, k, v, bias, row_ok, dropout_p, is_causal=False), None
             return math_attention(q_rows, k, v, bias, row_ok, dropout_p, need_weights, masking.boolean)
 
         if recompute and not need_weights:
