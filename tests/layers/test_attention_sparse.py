@@ -24,6 +24,7 @@ SPECS = {
     "window_lengths": dict(window=2, lengths=[13, 6]),
     "causal_window_lengths_empty": dict(causal=True, window=1, lengths=[9, 0]),  # batch 1: every row masked
     "lengths": dict(lengths=[13, 0]),
+    "grid_window": dict(window=1, grid=(3, 4)),  # the rel_pos case adds a prefix token: its own grid there
 }
 
 
@@ -51,15 +52,17 @@ def _assert_same(got, ref, what):
 @pytest.mark.parametrize("rel_pos", [False, True])
 @pytest.mark.parametrize("backend", ["sdpa", "math", "chunked"])
 def test_spec_equals_math_with_the_dense_mask_forward_and_gradients(backend, rel_pos, name):
-    module_kw = dict(rel_pos_grid=(3, 4), num_prefix_tokens=1) if rel_pos else {}
+    kw = SPECS[name]
+    n = 12 if "grid" in kw else 13  # with rel_pos: a 3 x 4 grid, and a prefix token when N = 13
+    module_kw = dict(rel_pos_grid=(3, 4), num_prefix_tokens=n - 12) if rel_pos else {}
     attn = _module(**module_kw).train()  # train mode, dropout 0: the banded path runs plain autograd
-    x = torch.randn(2, 13, DIM)
-    s = spec(**SPECS[name])
-    reference = _run(attn, x, s.dense(13))  # math with the bool tensor the spec stands for
+    x = torch.randn(2, n, DIM)
+    s = spec(**kw)
+    reference = _run(attn, x, s.dense(n))  # math with the bool tensor the spec stands for
     attn.backend = backend
     result = _run(attn, x, s)
     _assert_same(result, reference, backend)
-    empty_rows = ~s.row_ok(13).expand(2, 1, 13, 1)[:, 0, :, 0]
+    empty_rows = ~s.row_ok(n).expand(2, 1, n, 1)[:, 0, :, 0]
     if empty_rows.any():  # rows with no key: proj.bias exactly, never NaN
         torch.testing.assert_close(result[0][empty_rows], attn.proj.bias.detach().expand(int(empty_rows.sum()), DIM),
                                    atol=0, rtol=0)
@@ -182,6 +185,11 @@ def _flex_matches_math(module_kw: dict, mask_kw: dict, n: int, is_causal: bool =
 def test_flex_forward_equals_math_on_the_cpu():
     """One compile: N = 150 spans two 128-row blocks; causal + window + lengths with an empty sequence."""
     _flex_matches_math({}, dict(causal=True, window=40, lengths=[150, 0]), 150)
+
+
+@pytest.mark.slow
+def test_flex_forward_on_a_grid_with_relative_position_bias():
+    _flex_matches_math(dict(rel_pos_grid=(5, 6)), dict(window=1, grid=(5, 6)), 30)
 
 
 @pytest.mark.slow

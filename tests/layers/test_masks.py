@@ -120,3 +120,37 @@ def test_spec_is_immutable_and_hashable():
 def test_spec_rejects_bad_arguments(kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         spec(**kw)
+
+
+def _grid_reference(gh: int, gw: int, w: int, causal: bool) -> torch.Tensor:
+    """(1, 1, P, P), P = gh * gw, element by element: a 2D neighbourhood of radius w on the row-major grid."""
+    cells = [(r, c) for r in range(gh) for c in range(gw)]
+    return torch.tensor([[abs(qr - kr) <= w and abs(qc - kc) <= w and (not causal or j <= i)
+                          for j, (kr, kc) in enumerate(cells)] for i, (qr, qc) in enumerate(cells)])[None, None]
+
+
+@pytest.mark.parametrize("gh, gw, w", [(3, 4, 1), (4, 3, 0), (5, 5, 2), (2, 6, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grid_spec_is_a_2d_neighbourhood(gh, gw, w, causal):
+    s, p = spec(causal=causal, window=w, grid=(gh, gw)), gh * gw
+    expected = _grid_reference(gh, gw, w, causal)
+    torch.testing.assert_close(s.dense(p), expected)
+    torch.testing.assert_close(s.row_ok(p), expected.any(-1, keepdim=True))
+    q, kv = torch.arange(p)[None, None, :, None], torch.arange(p)[None, None, None, :]
+    torch.testing.assert_close(s.mask_mod(p)(0, 0, q, kv), expected)
+    assert s.reach == max(abs(i - j) for i, j in expected[0, 0].nonzero().tolist())
+    for chunk in (1, 4, 5):
+        for start in range(0, p, chunk):
+            cols = s.key_range(slice(start, start + chunk), p)
+            outside = torch.ones(p, dtype=torch.bool)
+            outside[cols] = False
+            assert not expected[0, 0, start:start + chunk, outside].any()
+
+
+def test_grid_spec_needs_a_window_and_no_lengths():
+    with pytest.raises(ValueError, match="grid spec needs a window and takes no lengths"):
+        spec(grid=(2, 2))
+    with pytest.raises(ValueError, match="grid spec needs a window and takes no lengths"):
+        spec(window=1, grid=(2, 2), lengths=[4])
+    with pytest.raises(ValueError, match=r"grid must be two positive ints"):
+        spec(window=1, grid=(2, 0))

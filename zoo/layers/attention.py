@@ -128,7 +128,10 @@ def _check_rank3(name: str, t, width: int, width_name: str) -> None:
         raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def _check_spec(spec: MaskSpec, b: int, m: int) -> MaskSpec:
+def _check_spec(spec: MaskSpec, b: int, n: int, m: int) -> MaskSpec:
+    if spec.grid is not None and not tracing() and not n == m == spec.grid[0] * spec.grid[1]:
+        raise ValueError(f"mask spec over grid {spec.grid} needs N == M == {spec.grid[0] * spec.grid[1]} tokens, "
+                         f"got N={n}, M={m}")
     if spec.lengths is not None and not tracing():
         if len(spec.lengths) != b:
             raise ValueError(f"mask spec has {len(spec.lengths)} lengths, expected one per batch element (B={b})")
@@ -220,9 +223,9 @@ class MultiHeadAttention(nn.Module):
         chosen backend computes them itself (math, chunked, linear)."""
         backend = _check_backend(_AUTO.get() if self.backend == "auto" else self.backend)
         if self.backend == "auto" and backend == "sdpa" and isinstance(mask, MaskSpec) and mask.window is not None \
-                and x is not None and not need_weights:
+                and x is not None and not need_weights and not tracing():  # fx: the dense path, shapes unknown
             dropout_p = self.attn_drop if self.training else 0.0
-            backend = auto_sparse(x.device, torch.is_grad_enabled(), x.shape[1], mask.window, dropout_p) or backend
+            backend = auto_sparse(x.device, torch.is_grad_enabled(), x.shape[1], mask.reach, dropout_p) or backend
         return "math" if need_weights and backend in ("sdpa", "flex") else backend
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None):
@@ -255,7 +258,7 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
         n, m = q.shape[-2], k.shape[-2]
-        spec = _check_spec(mask, q.shape[0], m) if isinstance(mask, MaskSpec) else None
+        spec = _check_spec(mask, q.shape[0], n, m) if isinstance(mask, MaskSpec) else None
         if mask is not None and spec is None:
             mask = _check_mask(mask, q.shape[0], q.shape[1], n, m, x.device)
         masking = Masking(None if spec else mask, is_causal, self._rel_bias(n, m), n, m, spec)

@@ -173,7 +173,7 @@ def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights:
     recompute = (not banded and torch.is_grad_enabled()
                  and (q.requires_grad or k.requires_grad or v.requires_grad))
     if banded:
-        chunk_size = band_rows(chunk_size, masking.spec.window)
+        chunk_size = band_rows(chunk_size, masking.spec.reach)
     outs, weights = [], []
     for start in range(0, masking.n, chunk_size):
         rows = slice(start, start + chunk_size)
@@ -199,7 +199,8 @@ BANDED_MIN_N = 1024  # below this many queries the dense kernels win (per-chunk 
 
 def auto_sparse(device: torch.device, grad_enabled: bool, n: int, window: int, dropout_p: float) -> str | None:
     """The fixed rule "auto" follows for a mask spec with a window (from the benchmark, never timed at run
-    time): the backend that skips the masked work, or None to stay dense.
+    time): the backend that skips the masked work, or None to stay dense. ``window``: the spec's ``reach``
+    (the largest |i - j| it allows; about window * (gw + 1) for a 2D neighbourhood on a grid gw wide).
 
     - Dense ("sdpa") unless the band is sparse: N >= ``BANDED_MIN_N`` and the 2 * window + 1 keys a query sees
       are at most a quarter of N.

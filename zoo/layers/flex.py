@@ -16,6 +16,7 @@ the (N, M) score matrix that the mask rules out are skipped rather than computed
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import torch
@@ -67,7 +68,7 @@ def flex_attention_spec(q, k, v, masking: Masking, dropout_p: float) -> torch.Te
     _refuse(masking, q, k, v, dropout_p)
     spec = masking.spec or MaskSpec()
     if masking.causal:
-        spec = MaskSpec(True, spec.window, spec.lengths)
+        spec = replace(spec, causal=True)
     blocks = None if spec == MaskSpec() else block_mask(spec, masking.n, masking.m, q.device)
     rel_bias = None if masking.rel_bias is None else masking.rel_bias.to(q.dtype)
     out = compiled_flex()(q, k, v, blocks, rel_bias)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_grid
+
 
 def causal_mask(n: int, m: int | None = None, *, rows: slice | None = None, device=None) -> torch.Tensor:
     """(n, m) bool, True on and below the diagonal. With m > n (a KV cache) the diagonal is aligned
@@ -60,11 +62,32 @@ class MaskSpec:
     and hashable, so a backend can cache what it derives from it per (spec, shape, device).
 
     causal: key j only if j <= i + M - N. window: only keys with |i + M - N - j| <= window (None: no limit).
-    lengths: per batch element b, only the first lengths[b] keys (key padding); None: every key."""
+    lengths: per batch element b, only the first lengths[b] keys (key padding); None: every key.
+    grid: (gh, gw): the N == M tokens are a row-major gh x gw grid and ``window`` is a 2D neighbourhood radius
+    (neighbourhood attention, Hassani et al. 2022, https://arxiv.org/abs/2204.07143): key j only if its row
+    and its column each differ from query i's by at most ``window``."""
 
     causal: bool = False
     window: int | None = None
     lengths: tuple[int, ...] | None = None
+    grid: tuple[int, int] | None = None
+
+    @property
+    def reach(self) -> int | None:
+        """The largest |i - j| (token positions, row-major on a grid) a window lets a query attend; None: any."""
+        if self.window is None:
+            return None
+        if self.grid is None:
+            return self.window
+        gh, gw = self.grid
+        return min(self.window, gh - 1) * gw + min(self.window, gw - 1)
+
+    def _near(self, query, key):
+        """Whether key positions are within the window of query positions (1D, or 2D on the grid)."""
+        if self.grid is None:
+            return (query - key).abs() <= self.window
+        gw = self.grid[1]
+        return ((query // gw - key // gw).abs() <= self.window) & ((query % gw - key % gw).abs() <= self.window)
 
     def dense(self, n: int, m: int | None = None, *, rows: slice = slice(None), cols: slice = slice(None),
               device=None) -> torch.Tensor:
@@ -77,7 +100,7 @@ class MaskSpec:
         if self.causal:
             allowed = allowed & (key <= query)
         if self.window is not None:
-            allowed = allowed & ((query - key).abs() <= self.window)
+            allowed = allowed & self._near(query, key)
         if self.lengths is None:
             return allowed[None, None]
         lengths = torch.tensor(self.lengths, device=device)
@@ -88,14 +111,22 @@ class MaskSpec:
         stop) may attend: what a window or causality can reach. Keys outside it are masked for these rows."""
         m = n if m is None else m
         first, last = rows.start + m - n, min(rows.stop, n) - 1 + m - n  # key positions of the first / last row
-        lo = 0 if self.window is None else max(0, first - self.window)
-        hi = last + 1 if self.causal else (m if self.window is None else last + self.window + 1)
+        if self.window is None:
+            lo, hi = 0, m
+        elif self.grid is None:
+            lo, hi = max(0, first - self.window), last + self.window + 1
+        else:  # whole grid rows, from window rows above the first query's to window rows below the last's
+            gw = self.grid[1]
+            lo, hi = max(0, (first // gw - self.window) * gw), (last // gw + self.window + 1) * gw
+        hi = min(hi, last + 1) if self.causal else hi
         return slice(lo, max(lo, min(hi, m)))
 
     def row_ok(self, n: int, m: int | None = None, device=None) -> torch.Tensor:
         """(B or 1, 1, n, 1) bool: whether query row i may attend any key at all, computed from the rules in
         O(B * n) (the allowed keys of a row form one interval)."""
         m = n if m is None else m
+        if self.grid is not None:  # no lengths with a grid (``spec`` refuses them): every query sees itself
+            return torch.ones(1, 1, n, 1, dtype=torch.bool, device=device)
         query = torch.arange(n, device=device) + (m - n)
         lo, hi = torch.zeros_like(query), torch.full_like(query, m - 1)
         if self.window is not None:
@@ -110,7 +141,7 @@ class MaskSpec:
     def mask_mod(self, n: int, m: int | None = None, device=None):
         """The rule as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` for n queries, m keys."""
         m = n if m is None else m
-        offset, causal, window = m - n, self.causal, self.window
+        offset, causal, window, near = m - n, self.causal, self.window, self._near
         lengths = None if self.lengths is None else torch.tensor(self.lengths, device=device)
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -119,7 +150,7 @@ class MaskSpec:
             if causal:
                 allowed = allowed & (kv_idx <= query)
             if window is not None:
-                allowed = allowed & ((query - kv_idx).abs() <= window)
+                allowed = allowed & near(query, kv_idx)
             if lengths is not None:
                 allowed = allowed & (kv_idx < lengths[b])
             return allowed
@@ -127,15 +158,21 @@ class MaskSpec:
         return mask_mod
 
 
-def spec(causal: bool = False, window: int | None = None, lengths=None) -> MaskSpec:
+def spec(causal: bool = False, window: int | None = None, lengths=None, grid=None) -> MaskSpec:
     """One mask description for every backend: ``attn(x, mask=zoo.masks.spec(causal=True, window=64,
     lengths=[n, 5]))``. ``causal``: a bool; ``window``: an int >= 0 (|i - j| <= window, as
     ``sliding_window_mask``) or None; ``lengths``: one int >= 0 per batch element (a list or a 1-D integer
-    tensor), the number of real keys, or None. Combined rules all hold (logical and)."""
+    tensor), the number of real keys, or None; ``grid``: (gh, gw) to make ``window`` a 2D neighbourhood radius
+    over a row-major token grid (needs a window, takes no lengths). Combined rules all hold (logical and)."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0):
         raise ValueError(f"window must be an int >= 0 or None, got {window!r}")
     if lengths is not None:
         lengths = tuple(int(v) for v in _check_lengths(lengths, None).tolist())
-    return MaskSpec(causal, None if window is None else int(window), lengths)
+    if grid is not None:
+        grid = check_grid("grid", grid)
+        if window is None or lengths is not None:
+            raise ValueError(f"a grid spec needs a window and takes no lengths, got window={window!r}, "
+                             f"lengths={lengths!r}")
+    return MaskSpec(causal, None if window is None else int(window), lengths, grid)
