@@ -120,6 +120,29 @@ def memory_rows(rows: list[dict], device=None) -> list[dict]:
     return rows
 
 
+def bench_local_vit(img_sizes=(64, 96), batch: int = 32, *, repeats: int = 3, device=None) -> list[dict]:
+    """Training images/s (forward, cross-entropy, backward, AdamW) of ``vit_local_tiny`` side by side with the
+    dense ViT of the same size (``vit_tiny`` mean-pooled, no class token), local attention run by "auto" (what
+    ``auto_sparse`` picks for the grid) and forced onto the banded path ("chunked"), fp32."""
+    from ..models import create_model
+    from .timing import training_step
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = []
+    for size in img_sizes:
+        models = {"dense_vit": create_model("vit_tiny", img_size=size, global_pool="avg"),
+                  "local_auto": create_model("vit_local_tiny", img_size=size),
+                  "local_banded": create_model("vit_local_tiny", img_size=size, backend="chunked")}
+        steps = {k: training_step(m.to(device).train(), (3, size, size), batch) for k, m in models.items()}
+        med = interleaved_medians(steps, device, repeats=repeats)
+        tokens = models["dense_vit"].patch_embed.num_patches
+        rows.append({"img_size": size, "tokens": tokens, "batch": batch,
+                     **{f"{k}_img_s": batch / v for k, v in med.items()},
+                     "local_auto_vs_dense": med["dense_vit"] / med["local_auto"],
+                     "local_banded_vs_dense": med["dense_vit"] / med["local_banded"]})
+    return rows
+
+
 def _row(rows: list[dict], n: int, window: int, mode: str) -> dict:
     return next(r for r in rows if (r["n"], r["window"], r["mode"]) == (n, window, mode))
 

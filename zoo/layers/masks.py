@@ -96,7 +96,7 @@ class MaskSpec:
         m = n if m is None else m
         query = torch.arange(n, device=device)[rows][:, None] + (m - n)  # the key position of each query
         key = torch.arange(m, device=device)[cols][None, :]
-        allowed = torch.ones(query.shape[0], key.shape[1], dtype=torch.bool, device=device)
+        allowed = torch.ones_like(query - key, dtype=torch.bool)  # (rows, cols); no sizes, so torch.fx traces it
         if self.causal:
             allowed = allowed & (key <= query)
         if self.window is not None:
