@@ -196,3 +196,19 @@ def test_flex_forward_on_a_grid_with_relative_position_bias():
 def test_flex_forward_with_relative_position_bias_and_is_causal():
     _flex_matches_math(dict(rel_pos_grid=(4, 4), num_prefix_tokens=1), dict(window=5, lengths=[17, 9]), 17,
                        is_causal=True)
+
+
+@pytest.mark.parametrize("precision", ["autocast_bf16", "fp16"])
+def test_banded_fully_masked_rows_give_proj_bias_in_low_precision(precision):
+    attn = _module("chunked").train()
+    x = torch.randn(2, 9, DIM)
+    s = spec(causal=True, window=2, lengths=[9, 0])  # batch 1: no key at all
+    if precision == "fp16":
+        attn, x = attn.half(), x.half()
+    xg = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast_bf16"):
+        out = attn(xg, mask=s)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[1], attn.proj.bias.to(out.dtype).expand(9, DIM), atol=0, rtol=0)
+    out.float().square().sum().backward()
+    assert torch.isfinite(xg.grad).all() and all(torch.isfinite(p.grad).all() for p in attn.parameters())
