@@ -10,7 +10,8 @@ sliding-window mask, as
 
 forward ("fwd", under no_grad) and forward + backward ("fwd+bwd"), time (interleaved medians) and peak memory
 (a fresh subprocess, as ``suite.attention_peak_memory_mb``), plus flex's compile time (its first call minus a
-steady one). ``sparse_claims`` reads the issue's goals off the rows.
+steady one; about 0 where an earlier row at the same shape compiled it). ``sparse_claims`` reads the
+issue's goals off the rows.
 
 Run: ``python -m zoo.bench.sparse --out DIR`` (``--quick`` for a smoke run of small sizes); ~10 minutes on
 2 CPU cores with the defaults. Writes ``DIR/sparse.json`` and ``DIR/sparse.md``.

@@ -56,6 +56,13 @@ def sliding_window_mask(n: int, window: int, *, device=None) -> torch.Tensor:
     return (idx[:, None] - idx[None, :]).abs() <= window
 
 
+def _near(query, key, window, gw: int | None):
+    """Whether key positions are within ``window`` of query positions: 1D, or 2D on a grid ``gw`` wide."""
+    if gw is None:
+        return (query - key).abs() <= window
+    return ((query // gw - key // gw).abs() <= window) & ((query % gw - key % gw).abs() <= window)
+
+
 @dataclass(frozen=True)
 class MaskSpec:
     """Which keys each query may attend, as rules rather than a tensor (build it with ``spec``). Immutable
@@ -82,12 +89,6 @@ class MaskSpec:
         gh, gw = self.grid
         return min(self.window, gh - 1) * gw + min(self.window, gw - 1)
 
-    def _near(self, query, key):
-        """Whether key positions are within the window of query positions (1D, or 2D on the grid)."""
-        if self.grid is None:
-            return (query - key).abs() <= self.window
-        gw = self.grid[1]
-        return ((query // gw - key // gw).abs() <= self.window) & ((query % gw - key % gw).abs() <= self.window)
 
     def dense(self, n: int, m: int | None = None, *, rows: slice = slice(None), cols: slice = slice(None),
               device=None) -> torch.Tensor:
@@ -100,7 +101,7 @@ class MaskSpec:
         if self.causal:
             allowed = allowed & (key <= query)
         if self.window is not None:
-            allowed = allowed & self._near(query, key)
+            allowed = allowed & _near(query, key, self.window, None if self.grid is None else self.grid[1])
         if self.lengths is None:
             return allowed[None, None]
         lengths = torch.tensor(self.lengths, device=device)
@@ -141,7 +142,10 @@ class MaskSpec:
     def mask_mod(self, n: int, m: int | None = None, device=None):
         """The rule as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` for n queries, m keys."""
         m = n if m is None else m
-        offset, causal, window, near = m - n, self.causal, self.window, self._near
+        offset, causal, gw = m - n, self.causal, None if self.grid is None else self.grid[1]
+        # window and lengths as tensors: a compiled flex kernel takes them as inputs instead of specialising on
+        # their values, so another window or other lengths at the same shape reuse the compiled kernel
+        window = None if self.window is None else torch.tensor(self.window, device=device)
         lengths = None if self.lengths is None else torch.tensor(self.lengths, device=device)
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -150,7 +154,7 @@ class MaskSpec:
             if causal:
                 allowed = allowed & (kv_idx <= query)
             if window is not None:
-                allowed = allowed & near(query, kv_idx)
+                allowed = allowed & _near(query, kv_idx, window, gw)
             if lengths is not None:
                 allowed = allowed & (kv_idx < lengths[b])
             return allowed
