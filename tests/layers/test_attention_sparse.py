@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
 import zoo
@@ -183,8 +184,12 @@ def _flex_matches_math(module_kw: dict, mask_kw: dict, n: int, is_causal: bool =
 
 
 def test_flex_forward_equals_math_on_the_cpu():
-    """One compile: N = 150 spans two 128-row blocks; causal + window + lengths with an empty sequence."""
+    """One compile: N = 150 spans two 128-row blocks; causal + window + lengths with an empty sequence. Another
+    window and other lengths at the same shape reuse the compiled kernel (they are inputs, not constants)."""
     _flex_matches_math({}, dict(causal=True, window=40, lengths=[150, 0]), 150)
+    graphs = counters["stats"]["unique_graphs"]
+    _flex_matches_math({}, dict(causal=True, window=7, lengths=[90, 150]), 150)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.slow
