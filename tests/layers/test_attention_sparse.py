@@ -217,3 +217,20 @@ def test_banded_fully_masked_rows_give_proj_bias_in_low_precision(precision):
     torch.testing.assert_close(out[1], attn.proj.bias.to(out.dtype).expand(9, DIM), atol=0, rtol=0)
     out.float().square().sum().backward()
     assert torch.isfinite(xg.grad).all() and all(torch.isfinite(p.grad).all() for p in attn.parameters())
+
+
+def test_torch_export_takes_a_spec_on_the_banded_path():
+    attn = _module("chunked").eval()
+    x, s = torch.randn(2, 13, DIM), spec(causal=True, window=2, lengths=[13, 5])
+    exported = torch.export.export(attn, (x,), {"mask": s}).module()  # the spec is a constant of the graph
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x, mask=s), attn(x, mask=s), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_a_flex_module():
+    """The cached block mask is built outside the compiled graph (a graph break) and enters it as an input."""
+    attn = MultiHeadAttention(32, 2, backend="flex").eval()
+    x, s = torch.randn(2, 40, 32), spec(window=5, lengths=[40, 9])
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(attn)(x, mask=s), attn(x, mask=s), atol=1e-5, rtol=1e-5)

@@ -3,7 +3,9 @@ https://pytorch.org/blog/flexattention/) with a ``BlockMask`` built from a ``zoo
 the (N, M) score matrix that the mask rules out are skipped rather than computed and thrown away.
 
 - The block mask is built once per (spec, N, M, device) and cached (``block_mask``); flex_attention itself
-  is compiled once per process (``torch.compile``; inductor then specialises per shape, as usual).
+  is compiled once per process (``torch.compile``; inductor then specialises per shape: a new batch size or N
+  compiles again, a new window or new lengths at the same shape do not, as they enter ``mask_mod`` as
+  tensors). Under an outer ``torch.compile`` the block mask is built outside the graph (a graph break).
 - The 2D relative position bias enters as a ``score_mod`` (score + bias[h, q, k]), inside the compiled
   function so the bias is an input of the graph, not a constant baked into it.
 - Masks: a spec, ``is_causal`` (folded into the spec) or none. A tensor mask cannot say which blocks are
@@ -26,6 +28,7 @@ from .backends import Masking
 from .masks import MaskSpec
 
 
+@torch.compiler.disable  # a graph break under torch.compile: the cached mask enters the graph as an input
 @lru_cache(maxsize=64)
 def block_mask(spec: MaskSpec, n: int, m: int, device: torch.device) -> BlockMask:
     """The ``BlockMask`` of ``spec`` for n queries and m keys on ``device``, built once and cached."""
@@ -43,10 +46,7 @@ def _flex(q, k, v, block_mask, rel_bias):
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
-@lru_cache(maxsize=1)
-def compiled_flex():
-    """flex_attention (with the relative bias as a score_mod) compiled once per process."""
-    return torch.compile(_flex, dynamic=False)
+compiled_flex = torch.compile(_flex, dynamic=False)  # compiles at its first call; this module loads on first use
 
 
 def _refuse(masking: Masking, q, k, v, dropout_p: float) -> None:
@@ -71,7 +71,7 @@ def flex_attention_spec(q, k, v, masking: Masking, dropout_p: float) -> torch.Te
         spec = replace(spec, causal=True)
     blocks = None if spec == MaskSpec() else block_mask(spec, masking.n, masking.m, q.device)
     rel_bias = None if masking.rel_bias is None else masking.rel_bias.to(q.dtype)
-    out = compiled_flex()(q, k, v, blocks, rel_bias)
+    out = compiled_flex(q, k, v, blocks, rel_bias)
     if spec == MaskSpec():
         return out
     return out * spec.row_ok(masking.n, masking.m, device=q.device)

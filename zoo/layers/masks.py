@@ -162,6 +162,10 @@ class MaskSpec:
         return mask_mod
 
 
+if hasattr(torch.utils._pytree, "register_constant"):  # torch >= 2.7: torch.export takes a spec as a constant
+    torch.utils._pytree.register_constant(MaskSpec)
+
+
 def spec(causal: bool = False, window: int | None = None, lengths=None, grid=None) -> MaskSpec:
     """One mask description for every backend: ``attn(x, mask=zoo.masks.spec(causal=True, window=64,
     lengths=[n, 5]))``. ``causal``: a bool; ``window``: an int >= 0 (|i - j| <= window, as
