@@ -234,3 +234,15 @@ def test_torch_compile_of_a_flex_module():
     x, s = torch.randn(2, 40, 32), spec(window=5, lengths=[40, 9])
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(attn)(x, mask=s), attn(x, mask=s), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math", "chunked"])
+def test_weights_with_a_spec_equal_weights_with_the_dense_mask(backend):
+    attn = _module(backend).eval()
+    x, s = torch.randn(2, 8, DIM), spec(causal=True, window=2, lengths=[8, 3])
+    with torch.no_grad():
+        out, weights = attn(x, mask=s, need_weights=True)
+        ref_out, ref_weights = attn(x, mask=s.dense(8), need_weights=True)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
+    assert (weights.masked_select(~s.dense(8).expand_as(weights)) == 0).all()
