@@ -22,10 +22,11 @@ the module returns ``proj.bias``, as ``torch.nn.MultiheadAttention`` does), neve
 and the mask is a spec with a window, ``backends.auto_sparse`` picks the path that skips masked work by a
 fixed rule on (device, N, window, dropout): flex on CUDA, the banded chunked path on the CPU.
 
-``torch.fx`` symbolic tracing works for self- and cross-attention without a mask, with or without relative bias,
-on the sdpa and math backends (``rearrange`` is a leaf function of the graph; input checks step aside while
-tracing; traced on its own, the module needs its keyword options as ``concrete_args``); ``torch.export`` and
-``torch.compile`` work with every option.
+``torch.fx`` symbolic tracing works for self- and cross-attention without a mask (or with a ``zoo.masks.spec``
+fixed in the calling module, traced as its dense mask), with or without relative bias, on the sdpa and math
+backends (``rearrange`` is a leaf function of the graph; input checks step aside while tracing; traced on its
+own, the module needs its keyword options as ``concrete_args``); ``torch.export`` and ``torch.compile`` work
+with every option (a spec is a constant of an exported graph; flex's block mask is built behind a graph break).
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ class MultiHeadAttention(nn.Module):
         spec = _check_spec(mask, q.shape[0], n, m) if isinstance(mask, MaskSpec) else None
         if mask is not None and spec is None:
             mask = _check_mask(mask, q.shape[0], q.shape[1], n, m, x.device)
-        masking = Masking(None if spec else mask, is_causal, self._rel_bias(n, m), n, m, spec)
+        masking = Masking(mask if spec is None else None, is_causal, self._rel_bias(n, m), n, m, spec)
         want_weights = need_weights or self.weights_hook is not None
         backend = self.resolved_backend(want_weights, mask, x)
         out, weights = self._attend(backend, q, k, v, masking, want_weights)

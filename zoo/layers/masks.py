@@ -89,7 +89,6 @@ class MaskSpec:
         gh, gw = self.grid
         return min(self.window, gh - 1) * gw + min(self.window, gw - 1)
 
-
     def dense(self, n: int, m: int | None = None, *, rows: slice = slice(None), cols: slice = slice(None),
               device=None) -> torch.Tensor:
         """(B or 1, 1, len(rows), len(cols)) bool, True = may attend; B = len(lengths). ``rows`` / ``cols``
