@@ -61,3 +61,10 @@ def test_the_command_writes_its_files(tmp_path):
     sparse.main(["--quick", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "sparse.json").read_text())
     assert results["rows"] and results["claims"] and (tmp_path / "sparse.md").exists()
+
+
+def test_local_vit_row_compares_with_the_dense_vit():
+    (row,) = sparse.bench_local_vit((32,), batch=2, repeats=1)
+    assert row["img_size"] == 32 and row["tokens"] == 64
+    assert all(row[k] > 0 for k in ("dense_vit_img_s", "local_auto_img_s", "local_banded_img_s",
+                                    "local_auto_vs_dense", "local_banded_vs_dense"))
