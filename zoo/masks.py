@@ -1,5 +1,5 @@
 """Compatibility name for ``zoo.layers.masks`` (``zoo.masks.causal_mask`` etc. keep working)."""
 
-from .layers.masks import causal_mask, padding_mask, sliding_window_mask
+from .layers.masks import MaskSpec, causal_mask, padding_mask, sliding_window_mask, spec
 
-__all__ = ["causal_mask", "padding_mask", "sliding_window_mask"]
+__all__ = ["MaskSpec", "causal_mask", "padding_mask", "sliding_window_mask", "spec"]

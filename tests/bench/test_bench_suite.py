@@ -87,7 +87,7 @@ def test_quick_suite_writes_every_section_and_memory_claims_hold(cifar_dir, tmp_
     assert positive(saved["pipeline"]["img_s"]) and positive(saved["pipeline"]["vs_fastest_model_training"])
 
     claims = {row["claim"]: row for row in saved["claims"]}
-    assert len(claims) == 7 and all(row["unit"] for row in claims.values())
+    assert len(claims) == 9 and all(row["unit"] for row in claims.values())
     gpu_only = [c for c in claims if "less memory" in c and "mixed precision" in c]
     assert [claims[c]["measured"] for c in gpu_only] == [None]  # the CPU's RSS cannot resolve it
     assert all(positive(row["measured"]) for c, row in claims.items() if c not in gpu_only)

@@ -50,11 +50,12 @@ def test_smoke_run_per_model(name, slice_args, tmp_path, capsys):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(summary)
     assert summary["model"] == name and summary["global_step"] == 2 and summary["precision"] == "32"
-    assert summary["params"] == sum(p.numel() for p in zoo.create_model(name).parameters())
+    size = summary["img_size"]  # the recipe's (64 for vit_local_tiny)
+    assert summary["params"] == sum(p.numel() for p in zoo.create_model(name, img_size=size).parameters())
     assert all(0 <= summary[k] <= 1 for k in ("best_val_top1", "test_top1", "test_top5"))
     model, meta = zoo.load_run(run_dir)
     assert meta["summary"]["model"] == name and meta["config"]["model"] == name
-    assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+    assert model(torch.zeros(1, 3, size, size)).shape == (1, 10)
 
 
 def test_bf16_mixed_on_cpu(slice_args, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Measuring speed and memory: timing and memory primitives (``timing``), the input pipeline's speed
-(``pipeline``) and the side-by-side suite that ``eval.py --bench-suite`` runs (``suite``). Imports
+(``pipeline``), the side-by-side suite that ``eval.py --bench-suite`` runs (``suite``) and sliding-window
+attention, dense vs masked vs banded vs flex (``sparse``, ``python -m zoo.bench.sparse``). Imports
 ``zoo.models`` and ``zoo.layers`` (and ``zoo.train``'s data module for the input-pipeline measurement)."""
 
 from .pipeline import measure_throughput

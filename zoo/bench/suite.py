@@ -26,7 +26,7 @@ from timm.layers import to_2tuple
 from torch import nn
 
 from ..layers.attention import MultiHeadAttention
-from ..layers.masks import sliding_window_mask
+from ..layers.masks import sliding_window_mask, spec
 from ..models import create_model, list_models, model_info
 from .timing import PRECISIONS, autocast_for, inference_step, interleaved_medians, peak_memory, training_step
 
@@ -161,11 +161,12 @@ _MEMORY_SCRIPT = """
 import sys, torch, zoo
 from zoo.bench.timing import peak_memory
 backend, n, window = sys.argv[1], int(sys.argv[2]), int(sys.argv[4])
-backward, device = sys.argv[3] == "1", torch.device(sys.argv[5])
+backward, device, as_spec = sys.argv[3] == "1", torch.device(sys.argv[5]), sys.argv[6] == "1"
 attn = zoo.MultiHeadAttention(192, 3, backend=backend).to(device)
 attn(torch.randn(1, 8, 192, device=device)).sum().backward()  # load kernels before measuring
 x = torch.randn(1, n, 192, device=device, requires_grad=backward)
 mask = zoo.masks.sliding_window_mask(n, window, device=device) if window else None
+mask = zoo.masks.spec(window=window) if window and as_spec else mask
 def call():
     with torch.set_grad_enabled(backward):
         out = attn(x, mask=mask)
@@ -175,13 +176,15 @@ print(peak_memory(call, device) / 2**20)
 """
 
 
-def attention_peak_memory_mb(backend: str, n: int, backward: bool, window: int = 0, device=None) -> float:
+def attention_peak_memory_mb(backend: str, n: int, backward: bool, window: int = 0, device=None,
+                             as_spec: bool = False) -> float:
     """Peak memory growth (MiB, zoo.bench.peak_memory: CUDA allocator peak, or peak RSS on a Linux CPU) of
-    one attention call (B=1, 3 heads, head_dim 64; a sliding-window mask when ``window``) in a fresh
+    one attention call (B=1, 3 heads, head_dim 64; a sliding-window mask when ``window``, as a bool tensor or,
+    with ``as_spec``, as ``zoo.masks.spec(window=window)``, built before the call) in a fresh
     subprocess, once inputs exist and kernels are loaded. glibc's mmap threshold is pinned: its default grows
     with freed blocks, and the heap then keeps freed chunks, inflating the CPU peak."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    args = [backend, str(n), str(int(backward)), str(window), str(device or default_device())]
+    args = [backend, str(n), str(int(backward)), str(window), str(device or default_device()), str(int(as_spec))]
     res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True,
                          check=True, env=env)
     return float(res.stdout.strip().splitlines()[-1])
@@ -253,6 +256,7 @@ def bench_claims(memory: list[dict], precision_row: dict, *, n: int = 1025, batc
     attn = MultiHeadAttention(dim, 3).to(device)
     x = torch.randn(batch, n, dim, device=device, requires_grad=True)
     window = sliding_window_mask(n, 64, device=device)
+    window_spec = spec(window=64)
 
     def run(backend, mask=None):
         def step():
@@ -260,11 +264,12 @@ def bench_claims(memory: list[dict], precision_row: dict, *, n: int = 1025, batc
             attn(x, mask=mask).sum().backward()
         return step
 
-    med = interleaved_medians({"math": run("math"), "sdpa": run("sdpa"), "sdpa_window": run("sdpa", window)},
-                              device, repeats=repeats)
+    med = interleaved_medians({"math": run("math"), "sdpa": run("sdpa"), "sdpa_window": run("sdpa", window),
+                               "auto_spec": run("auto", window_spec)}, device, repeats=repeats)
     by = {r["backend"]: r for r in memory}
     n_mem = memory[0]["n"]
     window_mb = attention_peak_memory_mb("sdpa", n_mem, True, window=64, device=device)
+    spec_mb = attention_peak_memory_mb("auto", n_mem, True, window=64, device=device, as_spec=True)
     where = precision_row["device"]
     return [
         {"claim": "memory-efficient attention ~1.5x faster", "measured": med["math"] / med["sdpa"],
@@ -277,6 +282,12 @@ def bench_claims(memory: list[dict], precision_row: dict, *, n: int = 1025, batc
         {"claim": "sliding-window attention ~4x less memory",
          "measured": by["sdpa"]["backward_mb"] / max(window_mb, 1e-3),
          "unit": f"x memory, dense / window-64 mask (sdpa, fwd+bwd peak, N={n_mem})"},
+        {"claim": "sliding-window attention ~3x faster, as zoo.masks.spec (auto: banded on CPU, flex on CUDA)",
+         "measured": med["sdpa"] / med["auto_spec"],
+         "unit": f"x speed, dense / window-64 spec (auto, fwd+bwd, B={batch}, N={n})"},
+        {"claim": "sliding-window attention ~4x less memory, as zoo.masks.spec (auto)",
+         "measured": by["math"]["backward_mb"] / max(spec_mb, 1e-3),
+         "unit": f"x memory, dense (math) / window-64 spec (auto, fwd+bwd peak, N={n_mem})"},
         {"claim": "mixed precision ~2x faster", "measured": precision_row["bf16_train_speedup"],
          "unit": f"x training speed, fp32 / bf16-mixed ({where}, batch {precision_row['batch']})"},
         {"claim": "mixed precision ~1.5x less memory", "measured": precision_row["bf16_memory_saving"],

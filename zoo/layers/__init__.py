@@ -1,7 +1,8 @@
 """Building blocks, importable into any model: multi-head attention with its backends and masks
-(``attention``, ``backends``, ``masks``), position information (``position``), CBAM channel + spatial
-attention (``cbam``) and the argument checks they share (``checks``). Imports torch and einops (and timm /
-torchvision lazily inside ``add_cbam``); nothing here imports the rest of the zoo."""
+(``attention``, ``backends``, ``masks`` with the ``spec`` every backend takes, ``flex`` for FlexAttention),
+position information (``position``), CBAM channel + spatial attention (``cbam``) and the argument checks they
+share (``checks``). Imports torch and einops (and timm / torchvision lazily inside ``add_cbam``); nothing here
+imports the rest of the zoo."""
 
 from . import masks
 from .attention import BACKENDS, KVCache, MultiHeadAttention, attention_backend, get_backend, set_backend

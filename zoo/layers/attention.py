@@ -7,17 +7,26 @@ One module, several interchangeable backends that compute the same function:
 - ``math``: explicit scores and softmax, the reference, and the one that returns weights;
 - ``chunked``: queries in chunks of ``chunk_size``, never more than chunk x M scores alive; in training
   each chunk is recomputed in backward (activation checkpointing), so memory stays linear in N there too;
+  with a windowed ``zoo.masks.spec`` it is *banded*: each chunk reads only the keys its window reaches;
 - ``linear``: kernel attention with the elu+1 feature map (Katharopoulos et al. 2020,
-  https://arxiv.org/abs/2006.16236), linear in N. An *approximation*: it does not equal softmax attention.
+  https://arxiv.org/abs/2006.16236), linear in N. An *approximation*: it does not equal softmax attention;
+- ``flex``: ``torch.nn.attention.flex_attention`` with a cached block mask from a ``zoo.masks.spec``
+  (``zoo.layers.flex``): masked blocks are skipped. Forward only on the CPU (no backward there in torch 2.14).
 
 Masks follow ``F.scaled_dot_product_attention``: bool means True = may attend, float is added to the scores;
-either broadcasts to (B, H, N, M). A query that may attend no key gets attention output 0 (so the module
-returns ``proj.bias``, as ``torch.nn.MultiheadAttention`` does), never NaN.
+either broadcasts to (B, H, N, M). Or a ``zoo.masks.spec(causal, window, lengths)``, which every backend
+takes (dense ones materialise it block by block). A query that may attend no key gets attention output 0 (so
+the module returns ``proj.bias``, as ``torch.nn.MultiheadAttention`` does), never NaN.
 
-``torch.fx`` symbolic tracing works for self- and cross-attention without a mask, with or without relative bias,
-on the sdpa and math backends (``rearrange`` is a leaf function of the graph; input checks step aside while
-tracing; traced on its own, the module needs its keyword options as ``concrete_args``); ``torch.export`` and
-``torch.compile`` work with every option.
+"auto" means what the enclosing ``attention_backend`` block says ("sdpa" outside any); when that is "sdpa"
+and the mask is a spec with a window, ``backends.auto_sparse`` picks the path that skips masked work by a
+fixed rule on (device, N, window, dropout): flex on CUDA, the banded chunked path on the CPU.
+
+``torch.fx`` symbolic tracing works for self- and cross-attention without a mask (or with a ``zoo.masks.spec``
+fixed in the calling module, traced as its dense mask), with or without relative bias, on the sdpa and math
+backends (``rearrange`` is a leaf function of the graph; input checks step aside while tracing; traced on its
+own, the module needs its keyword options as ``concrete_args``); ``torch.export`` and ``torch.compile`` work
+with every option (a spec is a constant of an exported graph; flex's block mask is built behind a graph break).
 """
 
 from __future__ import annotations
@@ -31,13 +40,14 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .backends import Masking, attend
+from .backends import Masking, attend, auto_sparse
 from .checks import check_flag, check_int, check_rate, tracing
+from .masks import MaskSpec
 from .position import RelativePositionBias2D
 
 torch.fx.wrap("rearrange")  # einops cannot take an fx Proxy: the call becomes one node of the graph
 
-BACKENDS = ("auto", "sdpa", "math", "chunked", "linear")
+BACKENDS = ("auto", "sdpa", "math", "chunked", "linear", "flex")
 _AUTO = ContextVar("zoo_attention_auto_backend", default="sdpa")
 
 
@@ -119,9 +129,21 @@ def _check_rank3(name: str, t, width: int, width_name: str) -> None:
         raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
+def _check_spec(spec: MaskSpec, b: int, n: int, m: int) -> MaskSpec:
+    if spec.grid is not None and not tracing() and not n == m == spec.grid[0] * spec.grid[1]:
+        raise ValueError(f"mask spec over grid {spec.grid} needs N == M == {spec.grid[0] * spec.grid[1]} tokens, "
+                         f"got N={n}, M={m}")
+    if spec.lengths is not None and not tracing():
+        if len(spec.lengths) != b:
+            raise ValueError(f"mask spec has {len(spec.lengths)} lengths, expected one per batch element (B={b})")
+        if max(spec.lengths) > m:
+            raise ValueError(f"mask spec lengths must lie in [0, M={m}], got {list(spec.lengths)}")
+    return spec
+
+
 def _check_mask(mask, b: int, h: int, n: int, m: int, device) -> torch.Tensor:
     expected = ("a bool (True = may attend) or float (added) tensor broadcastable to "
-                f"(B, H, N, M) = {(b, h, n, m)}")
+                f"(B, H, N, M) = {(b, h, n, m)}, or a zoo.masks.spec")
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"mask must be {expected}, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
@@ -157,8 +179,9 @@ class MultiHeadAttention(nn.Module):
             (2, heads, head_dim).
         qkv_bias: bias on the input projections.
         attn_drop, proj_drop: dropout on the attention probabilities and on the output, each in [0, 1).
-        backend: "auto" | "sdpa" | "math" | "chunked" | "linear". Public attribute, read at every forward;
-            "auto" means what the enclosing ``attention_backend`` block says ("sdpa" outside any).
+        backend: "auto" | "sdpa" | "math" | "chunked" | "linear" | "flex". Public attribute, read at every
+            forward; "auto" means what the enclosing ``attention_backend`` block says ("sdpa" outside any), and
+            with a windowed mask spec the sparse path of ``backends.auto_sparse`` where that is "sdpa".
         rel_pos_grid: (gh, gw) turns on a learned 2D relative position bias over the last gh * gw tokens.
         num_prefix_tokens: leading tokens (class token) that get no relative bias; an int >= 0.
         chunk_size: query rows per chunk for the chunked backend, a positive int.
@@ -195,11 +218,16 @@ class MultiHeadAttention(nn.Module):
                              if rel_pos_grid is not None else None)
         self.weights_hook = None  # set by zoo.record_attention: called with (B, H, N, M) weights
 
-    def resolved_backend(self, need_weights: bool = False) -> str:
-        """The backend a forward would run: "auto" follows ``attention_backend``; weights come from math
-        unless the chosen backend computes them itself (math, chunked, linear)."""
+    def resolved_backend(self, need_weights: bool = False, mask=None, x: torch.Tensor | None = None) -> str:
+        """The backend a forward of ``x`` with ``mask`` would run: "auto" follows ``attention_backend``, and
+        with a windowed spec where that says "sdpa", ``auto_sparse``'s rule; weights come from math unless the
+        chosen backend computes them itself (math, chunked, linear)."""
         backend = _check_backend(_AUTO.get() if self.backend == "auto" else self.backend)
-        return "math" if need_weights and backend == "sdpa" else backend
+        if self.backend == "auto" and backend == "sdpa" and isinstance(mask, MaskSpec) and mask.window is not None \
+                and x is not None and not need_weights and not tracing():  # fx: the dense path, shapes unknown
+            dropout_p = self.attn_drop if self.training else 0.0
+            backend = auto_sparse(x.device, torch.is_grad_enabled(), x.shape[1], mask.reach, dropout_p) or backend
+        return "math" if need_weights and backend in ("sdpa", "flex") else backend
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None):
         """q: (B, H, N, D); k, v: (B, H, M, D)."""
@@ -222,7 +250,8 @@ class MultiHeadAttention(nn.Module):
                 kv_cache: KVCache | None = None):
         """x: (B, N, dim); context: (B, M, context_dim or dim) or None (self-attention).
         mask: bool (True = may attend) or float (added), broadcastable to (B, H, N, M); a 2-D mask is (N, M),
-            refused when B == N > 1 (it could be a (B, M) key-padding mask): pass 4-D masks there.
+            refused when B == N > 1 (it could be a (B, M) key-padding mask): pass 4-D masks there. Or a
+            ``zoo.masks.spec`` (lengths: one per batch element, at most M), which every backend accepts.
         is_causal: query i sees keys j <= i + M - N (bottom-right aligned when a KV cache makes M > N).
         Returns out (B, N, dim), or (out, weights (B, H, N, M)) with need_weights."""
         self._check_inputs(x, context, kv_cache, is_causal=is_causal, need_weights=need_weights)
@@ -230,11 +259,13 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
         n, m = q.shape[-2], k.shape[-2]
-        if mask is not None:
+        spec = _check_spec(mask, q.shape[0], n, m) if isinstance(mask, MaskSpec) else None
+        if mask is not None and spec is None:
             mask = _check_mask(mask, q.shape[0], q.shape[1], n, m, x.device)
-        masking = Masking(mask, is_causal, self._rel_bias(n, m), n, m)
+        masking = Masking(mask if spec is None else None, is_causal, self._rel_bias(n, m), n, m, spec)
         want_weights = need_weights or self.weights_hook is not None
-        out, weights = self._attend(q, k, v, masking, want_weights)
+        backend = self.resolved_backend(want_weights, mask, x)
+        out, weights = self._attend(backend, q, k, v, masking, want_weights)
         if self.weights_hook is not None:
             self.weights_hook(weights)
         out = self.proj_drop(self.proj(rearrange(out, "b h n d -> b n (h d)")))
@@ -266,8 +297,7 @@ class MultiHeadAttention(nn.Module):
                              f"{self.rel_pos_bias.num_tokens} tokens, got N={n}, M={m}")
         return self.rel_pos_bias()
 
-    def _attend(self, q, k, v, masking: Masking, need_weights: bool):
-        backend = self.resolved_backend(need_weights)
+    def _attend(self, backend: str, q, k, v, masking: Masking, need_weights: bool):
         dropout_p = self.attn_drop if self.training else 0.0
         return attend(backend, q, k, v, masking, dropout_p, need_weights, self.chunk_size)
 

@@ -19,23 +19,24 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .masks import causal_mask
+from .masks import MaskSpec, causal_mask
 
 
 @dataclass
 class Masking:
-    """Everything that restricts or biases the (N, M) score matrix, sliced lazily by query rows so the
-    chunked backend never materialises N x M of it."""
+    """Everything that restricts or biases the (N, M) score matrix, sliced lazily by query rows (and key
+    columns) so the chunked backend never materialises N x M of it."""
 
     mask: torch.Tensor | None  # user mask, 4-D, broadcastable to (B, H, N, M)
     causal: bool
     rel_bias: torch.Tensor | None  # (H, N, M) float
     n: int
     m: int
+    spec: MaskSpec | None = None  # rules (zoo.masks.spec), never together with a tensor ``mask``
 
     @property
     def empty(self) -> bool:
-        return self.mask is None and not self.causal and self.rel_bias is None
+        return self.mask is None and not self.causal and self.rel_bias is None and self.spec is None
 
     @property
     def boolean(self) -> bool:
@@ -43,25 +44,36 @@ class Masking:
         looking at a tensor's values, so it holds while torch.fx traces too."""
         return self.rel_bias is None and (self.mask is None or self.mask.dtype == torch.bool)
 
-    def bias(self, rows: slice, dtype: torch.dtype, device) -> tuple[torch.Tensor | None, ...]:
-        """(bias, row_ok) for query rows ``rows``: bias is bool (True = attend) or float (added), with
-        fully-masked rows opened up so softmax stays finite; row_ok (..., rows, 1) is False for those rows,
-        whose output the caller must zero. Both None when nothing masks."""
+    @property
+    def banded(self) -> bool:
+        """Whether a window limits the keys each query can reach, so a chunk of queries needs only a band."""
+        return self.spec is not None and self.spec.window is not None
+
+    def bias(self, rows: slice, dtype: torch.dtype, device,
+             cols: slice = slice(None)) -> tuple[torch.Tensor | None, ...]:
+        """(bias, row_ok) for query rows ``rows`` and key columns ``cols``: bias is bool (True = attend) or float
+        (added), with fully-masked rows opened up so softmax stays finite; row_ok (..., rows, 1) is False for
+        those rows, whose output the caller must zero. Both None when nothing masks. A row counts as fully
+        masked when no key of ``cols`` is allowed: callers pass every key a row may attend."""
         if self.empty:
             return None, None
         allowed = None
         additive = None
         if self.mask is not None:
             part = self.mask[..., rows, :] if self.mask.shape[-2] == self.n else self.mask
+            part = part[..., cols] if self.mask.shape[-1] == self.m else part
             if part.dtype == torch.bool:
                 allowed = part
             else:
                 additive = part
         if self.causal:
-            causal = causal_mask(self.n, self.m, rows=rows, device=device)
+            causal = causal_mask(self.n, self.m, rows=rows, device=device)[:, cols]
             allowed = causal if allowed is None else allowed & causal
+        if self.spec is not None:
+            ruled = self.spec.dense(self.n, self.m, rows=rows, cols=cols, device=device)
+            allowed = ruled if allowed is None else allowed & ruled
         if self.rel_bias is not None:
-            part = self.rel_bias[:, rows]
+            part = self.rel_bias[:, rows, cols]
             additive = part if additive is None else additive + part
         if additive is None:
             row_ok = allowed.any(dim=-1, keepdim=True)
@@ -106,6 +118,13 @@ def _divide_or_zero(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 def linear_attention(q, k, v, masking: Masking, need_weights: bool):
     """phi(q) (phi(k)^T v) / (phi(q) . sum phi(k)) with phi = elu + 1. Supports key masks of shape
     (B or 1, H or 1, 1, M) and is_causal (prefix sums); other masks -> ValueError."""
+    if masking.spec is not None:
+        if masking.spec.window is not None:
+            raise ValueError("the linear backend cannot take a window; use backend='chunked' or 'auto' for a "
+                             "mask spec with a window")
+        lengths = masking.spec.lengths
+        key_mask = None if lengths is None else MaskSpec(lengths=lengths).dense(1, masking.m, device=q.device)
+        masking = Masking(key_mask, masking.causal or masking.spec.causal, masking.rel_bias, masking.n, masking.m)
     mask = masking.mask
     key_mask_only = mask is None or (mask.dtype == torch.bool and mask.shape[-2] == 1)
     if masking.rel_bias is not None or not key_mask_only:
@@ -135,33 +154,77 @@ def linear_attention(q, k, v, masking: Masking, need_weights: bool):
     return out.to(dtype), weights
 
 
+def band_rows(chunk_size: int, window: int) -> int:
+    """Query rows per chunk on the banded path: about twice the window (a chunk then reads chunk + 2 * window
+    keys, at most twice the keys its rows need), at least 64 rows to keep the per-chunk overhead small, and at
+    most ``chunk_size``."""
+    return min(chunk_size, max(64, 2 * window))
+
+
 def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights: bool, chunk_size: int):
-    """Math attention over ``chunk_size`` query rows at a time; in training each chunk is recomputed in
-    backward (activation checkpointing), so memory stays linear in N for training too."""
-    recompute = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    """Math attention over ``chunk_size`` query rows at a time.
+
+    Banded when the mask is a spec with a window and no weights are wanted: each chunk of ``band_rows`` rows
+    attends only the keys its window can reach (``MaskSpec.key_range``), so work and memory grow linearly in
+    N, and autograd runs through it plainly (as lucidrains' local-attention); each band goes through SDPA.
+    Otherwise each chunk sees every key and in training is recomputed in backward (activation checkpointing),
+    so memory stays linear in N."""
+    banded = masking.banded and not need_weights
+    recompute = (not banded and torch.is_grad_enabled()
+                 and (q.requires_grad or k.requires_grad or v.requires_grad))
+    if banded:
+        chunk_size = band_rows(chunk_size, masking.spec.reach)
     outs, weights = [], []
     for start in range(0, masking.n, chunk_size):
         rows = slice(start, start + chunk_size)
+        cols = masking.spec.key_range(rows, masking.n, masking.m) if banded else slice(None)
 
-        def chunk(q_rows, k, v, rows=rows):
-            bias, row_ok = masking.bias(rows, q_rows.dtype, q_rows.device)
+        def chunk(q_rows, k, v, rows=rows, cols=cols):
+            bias, row_ok = masking.bias(rows, q_rows.dtype, q_rows.device, cols)
+            if banded:  # SDPA's kernel per band: 10-20% faster than the explicit softmax here (CPU, fp32)
+                return sdpa_attention(q_rows, k, v, bias, row_ok, dropout_p, is_causal=False), None
             return math_attention(q_rows, k, v, bias, row_ok, dropout_p, need_weights, masking.boolean)
 
         if recompute and not need_weights:
             out, w = checkpoint(chunk, q[:, :, rows], k, v, use_reentrant=False)
         else:
-            out, w = chunk(q[:, :, rows], k, v)
+            out, w = chunk(q[:, :, rows], k[:, :, cols], v[:, :, cols])
         outs.append(out)
         weights.append(w)
     return torch.cat(outs, dim=2), (torch.cat(weights, dim=2) if need_weights else None)
 
 
+BANDED_MIN_N = 1024  # below this many queries the dense kernels win (per-chunk overhead), see auto_sparse
+
+
+def auto_sparse(device: torch.device, grad_enabled: bool, n: int, window: int, dropout_p: float) -> str | None:
+    """The fixed rule "auto" follows for a mask spec with a window (from the benchmark, never timed at run
+    time): the backend that skips the masked work, or None to stay dense. ``window``: the spec's ``reach``
+    (the largest |i - j| it allows; about window * (gw + 1) for a 2D neighbourhood on a grid gw wide).
+
+    - Dense ("sdpa") unless the band is sparse: N >= ``BANDED_MIN_N`` and the 2 * window + 1 keys a query sees
+      are at most a quarter of N.
+    - On CUDA without attention dropout: "flex", forward and backward (grad_enabled does not matter there).
+    - Otherwise (the CPU, or dropout, which flex lacks): "chunked", i.e. the banded path. On the CPU "flex"
+      is never chosen: with grad enabled it has no backward in torch 2.14, and without grad the banded path
+      measured as fast or faster than flex's compiled kernel, which also costs a compile per shape."""
+    if n < BANDED_MIN_N or 4 * (2 * window + 1) > n:
+        return None
+    if device.type == "cuda" and dropout_p == 0.0:
+        return "flex"
+    return "chunked"
+
+
 def attend(backend: str, q, k, v, masking: Masking, dropout_p: float, need_weights: bool, chunk_size: int):
     """(out (B, H, N, D), weights (B, H, N, M) or None) from the named backend (not "auto")."""
+    if backend == "flex":
+        from .flex import flex_attention_spec  # torch.nn.attention.flex_attention loads only when used
+
+        return flex_attention_spec(q, k, v, masking, dropout_p), None
     if backend == "linear":
         return linear_attention(q, k, v, masking, need_weights)
     if backend == "sdpa":
-        only_causal = masking.causal and masking.mask is None and masking.rel_bias is None
+        only_causal = masking.causal and masking.mask is None and masking.rel_bias is None and masking.spec is None
         if only_causal and masking.n == masking.m:  # torch's is_causal is top-left aligned when N != M
             return sdpa_attention(q, k, v, None, None, dropout_p, is_causal=True), None
         bias, row_ok = masking.bias(slice(None), q.dtype, q.device)

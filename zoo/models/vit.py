@@ -6,7 +6,8 @@ blocks with LayerNorm eps 1e-6 and GELU, qkv bias, no dropout or drop path), wit
 (``cls_token``, ``pos_embed``, ``patch_embed.proj``, ``blocks.i.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,
 mlp.fc2}``, ``norm``, ``fc_norm``, ``head``), so weights move to and from timm by a plain state_dict copy
 (``zoo.interop``). Options timm lacks: a fixed 2D sin-cos position embedding (MAE) and a learned 2D relative
-position bias in every attention layer (Swin-style), and a selectable attention backend.
+position bias in every attention layer (Swin-style), local (neighbourhood) attention over the patch grid through
+a ``zoo.masks.spec`` (``local_window``), and a selectable attention backend.
 
 timm's model API holds as for its own ViT: ``feature_info`` (one entry per block), ``forward_intermediates``,
 ``prune_intermediate_layers`` (so ``features_only=True`` gives timm's ``FeatureGetterNet``),
@@ -33,6 +34,7 @@ from timm.models import checkpoint_seq
 from torch import nn
 
 from ..layers.attention import MultiHeadAttention
+from ..layers.masks import MaskSpec, spec
 from ..layers.position import sincos_pos_embed_2d
 from .features import TOKEN_FEATURES, TokenFeatures
 from .inputs import check_images
@@ -42,7 +44,7 @@ torch.fx.wrap("rearrange")  # einops cannot take an fx Proxy: the call becomes o
 
 LayerNormEps6 = partial(nn.LayerNorm, eps=1e-6)  # timm's ViT norm
 
-__all__ = ["Block", "Mlp", "PatchEmbed", "VisionTransformer", "vit_nano", "vit_small", "vit_tiny"]
+__all__ = ["Block", "Mlp", "PatchEmbed", "VisionTransformer", "vit_local_tiny", "vit_nano", "vit_small", "vit_tiny"]
 
 
 class PatchEmbed(nn.Module):
@@ -75,6 +77,7 @@ class Block(nn.Module):
             proj_drop=..., **attn_kwargs)``; ``zoo.MultiHeadAttention`` by default.
         attn_kwargs: extra keyword arguments for it, e.g. ``rel_pos_grid``, ``num_prefix_tokens``,
             ``backend``.
+        attn_mask: a ``zoo.masks.spec`` passed as ``mask=`` at every call (local attention), or None.
         drop_path: stochastic depth rate of both residual branches.
         proj_drop, attn_drop: dropout after the attention / MLP projections and on the attention weights.
     """
@@ -82,8 +85,9 @@ class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  drop_path: float = 0.0, proj_drop: float = 0.0, attn_drop: float = 0.0,
                  norm_layer=LayerNormEps6, act_layer=nn.GELU,
-                 attn_layer=MultiHeadAttention, attn_kwargs: dict | None = None):
+                 attn_layer=MultiHeadAttention, attn_kwargs: dict | None = None, attn_mask: MaskSpec | None = None):
         super().__init__()
+        self.attn_call = {} if attn_mask is None else {"mask": attn_mask}  # constant keyword arguments
         self.norm1 = norm_layer(dim)
         self.attn = attn_layer(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop,
                                **(attn_kwargs or {}))
@@ -92,7 +96,7 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x)))
+        x = x + self.drop_path(self.attn(self.norm1(x), **self.attn_call))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
@@ -111,7 +115,11 @@ class VisionTransformer(TokenFeatures, nn.Module):
         rel_pos_bias: a learned 2D relative position bias over the patch grid in every attention layer.
         drop_rate: dropout before the head. proj_drop_rate / attn_drop_rate: dropout in every block.
         drop_path_rate: stochastic depth, rising linearly from 0 at the first block to this at the last.
-        backend: attention backend of every block ("auto", "sdpa", "math", "chunked", "linear").
+        backend: attention backend of every block ("auto", "sdpa", "math", "chunked", "linear", "flex").
+        local_window: local attention (neighbourhood attention, Hassani et al. 2022,
+            https://arxiv.org/abs/2204.07143): each patch token attends only the patches within this many grid
+            rows and columns, ``zoo.masks.spec(window=local_window, grid=grid_size)``, so "auto" runs the banded
+            path (flex on CUDA) where the grid is large; needs ``global_pool="avg"`` (no class token).
     """
 
     def __init__(self, img_size: int | tuple[int, int] = 32, patch_size: int | tuple[int, int] = 4,
@@ -119,8 +127,11 @@ class VisionTransformer(TokenFeatures, nn.Module):
                  embed_dim: int = 192, depth: int = 12, num_heads: int = 3, mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, pos_embed: str = "learn", rel_pos_bias: bool = False,
                  drop_rate: float = 0.0, proj_drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
-                 drop_path_rate: float = 0.0, backend: str = "auto"):
+                 drop_path_rate: float = 0.0, backend: str = "auto", local_window: int | None = None):
         super().__init__()
+        if local_window is not None and global_pool != "avg":
+            raise ValueError(f"local_window needs global_pool='avg' (a class token would attend globally), "
+                             f"got global_pool={global_pool!r}")
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
         if pos_embed not in ("learn", "sincos"):
@@ -142,12 +153,14 @@ class VisionTransformer(TokenFeatures, nn.Module):
             table = nn.functional.pad(table, (0, 0, self.num_prefix_tokens, 0))
             self.register_buffer("pos_embed", table[None], persistent=False)
 
+        attn_mask = None if local_window is None else spec(window=local_window, grid=self.grid_size)
+        self.local_window = local_window
         attn_kwargs = dict(backend=backend)
         if rel_pos_bias:
             attn_kwargs.update(rel_pos_grid=self.grid_size, num_prefix_tokens=self.num_prefix_tokens)
         self.blocks = nn.Sequential(*[
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=rate, proj_drop=proj_drop_rate,
-                  attn_drop=attn_drop_rate, attn_kwargs=attn_kwargs)
+                  attn_drop=attn_drop_rate, attn_kwargs=attn_kwargs, attn_mask=attn_mask)
             for rate in calculate_drop_path_rates(drop_path_rate, depth)])
         self.norm = LayerNormEps6(embed_dim) if global_pool == "token" else nn.Identity()
         self.fc_norm = LayerNormEps6(embed_dim) if global_pool == "avg" else nn.Identity()
@@ -248,3 +261,12 @@ def vit_tiny(**kwargs) -> VisionTransformer:
 def vit_small(**kwargs) -> VisionTransformer:
     """ViT-Small/4: width 384, depth 12, 6 heads, 4x4 patches (~21M parameters)."""
     return VisionTransformer(**{**dict(patch_size=4, embed_dim=384, depth=12, num_heads=6), **kwargs})
+
+
+@register_model(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True, feature_cfg=TOKEN_FEATURES)
+def vit_local_tiny(**kwargs) -> VisionTransformer:
+    """ViT-Tiny/4 with local attention: vit_tiny's width 192, depth 12, 3 heads and 4x4 patches, mean-pooled
+    (no class token), each patch attending the 7x7 patches around it (``local_window=3``): ~5.4M parameters,
+    attention linear in the number of patches (64x64 or 96x96 images: 256-576 tokens)."""
+    defaults = dict(patch_size=4, embed_dim=192, depth=12, num_heads=3, global_pool="avg", local_window=3)
+    return VisionTransformer(**{**defaults, **kwargs})

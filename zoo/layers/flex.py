@@ -1,0 +1,77 @@
+"""The "flex" backend: ``torch.nn.attention.flex_attention`` (FlexAttention, He et al. 2024,
+https://pytorch.org/blog/flexattention/) with a ``BlockMask`` built from a ``zoo.masks.spec``, so blocks of
+the (N, M) score matrix that the mask rules out are skipped rather than computed and thrown away.
+
+- The block mask is built once per (spec, N, M, device) and cached (``block_mask``); flex_attention itself
+  is compiled once per process (``torch.compile``; inductor then specialises per shape: a new batch size or N
+  compiles again, a new window or new lengths at the same shape do not, as they enter ``mask_mod`` as
+  tensors). Under an outer ``torch.compile`` the block mask is built outside the graph (a graph break).
+- The 2D relative position bias enters as a ``score_mod`` (score + bias[h, q, k]), inside the compiled
+  function so the bias is an input of the graph, not a constant baked into it.
+- Masks: a spec, ``is_causal`` (folded into the spec) or none. A tensor mask cannot say which blocks are
+  empty without reading all N x M of it, so it is refused with a pointer to ``zoo.masks.spec`` and "sdpa".
+- Rows with no key (e.g. lengths[b] == 0) give output 0, as in every backend (``row_ok`` from the spec).
+- Attention dropout does not exist in flex: refused. Backward on the CPU does not exist in torch 2.14:
+  refused with grad enabled, naming the banded path ("chunked" with a windowed spec, or "auto").
+- CUDA forward and backward is the same code path; this project's tests run on a CPU and check the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from .backends import Masking
+from .masks import MaskSpec
+
+
+@torch.compiler.disable  # a graph break under torch.compile: the cached mask enters the graph as an input
+@lru_cache(maxsize=64)
+def block_mask(spec: MaskSpec, n: int, m: int, device: torch.device) -> BlockMask:
+    """The ``BlockMask`` of ``spec`` for n queries and m keys on ``device``, built once and cached."""
+    batch = None if spec.lengths is None else len(spec.lengths)
+    return create_block_mask(spec.mask_mod(n, m, device), batch, None, n, m, device=device)
+
+
+def _flex(q, k, v, block_mask, rel_bias):
+    if rel_bias is None:
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + rel_bias[h, q_idx, kv_idx]
+
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+compiled_flex = torch.compile(_flex, dynamic=False)  # compiles at its first call; this module loads on first use
+
+
+def _refuse(masking: Masking, q, k, v, dropout_p: float) -> None:
+    if masking.mask is not None:
+        raise ValueError("the flex backend takes its mask as a zoo.masks.spec(causal=..., window=..., "
+                         f"lengths=...), got a {masking.mask.dtype} tensor; pass a spec, or use backend='sdpa' "
+                         "for a tensor mask")
+    if dropout_p > 0:
+        raise ValueError(f"the flex backend has no attention dropout, got attn_drop={dropout_p}; use "
+                         "backend='chunked' (banded with a windowed spec) or 'sdpa', or attn_drop=0")
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("the flex backend has no backward on the CPU (torch 2.14); for training on a CPU use "
+                         "backend='auto' or 'chunked' with a windowed zoo.masks.spec (the banded path), or run "
+                         "flex under torch.no_grad()")
+
+
+def flex_attention_spec(q, k, v, masking: Masking, dropout_p: float) -> torch.Tensor:
+    """(B, H, N, D) attention through FlexAttention with the block mask of ``masking``'s spec."""
+    _refuse(masking, q, k, v, dropout_p)
+    spec = masking.spec or MaskSpec()
+    if masking.causal:
+        spec = replace(spec, causal=True)
+    blocks = None if spec == MaskSpec() else block_mask(spec, masking.n, masking.m, q.device)
+    rel_bias = None if masking.rel_bias is None else masking.rel_bias.to(q.dtype)
+    out = compiled_flex(q, k, v, blocks, rel_bias)
+    if spec == MaskSpec():
+        return out
+    return out * spec.row_ok(masking.n, masking.m, device=q.device)
