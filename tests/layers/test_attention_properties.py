@@ -38,7 +38,8 @@ def _build(p, dtype):
     context = torch.randn(b, m, dim, generator=gen).to(dtype) if p["cross"] else None
     kind = p["kind"]
     mask_shape = {"bool": (b, 1, n, m), "bool_per_head": (b, h, n, m), "key_padding": (b, 1, 1, m),
-                  "bool_and_causal": (n, m), "float": (1, h, n, m)}.get(kind)
+                  # a 2-D mask is (N, M); with B == N it is ambiguous (refused), so it is given 4-D there
+                  "bool_and_causal": (n, m) if b != n else (1, 1, n, m), "float": (1, h, n, m)}.get(kind)
     is_causal = kind in ("causal", "bool_and_causal")
     allowed = torch.ones(b, h, n, m, dtype=torch.bool)
     if is_causal:
