@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timm.layers import to_2tuple
 from torch import nn
 
 from ..models import create_model
@@ -24,6 +25,10 @@ from ..train.device import cpu_has_native_bf16, machine_name
 from .timing import interleaved_medians, measure_inference
 
 MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled")
+
+
+def _img_size(model: nn.Module) -> tuple[int, int]:
+    return to_2tuple(getattr(model, "img_size", 32))  # the CIFAR ResNets take any size: 32x32 here
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> Callable[[], None]:
@@ -43,7 +48,7 @@ def mode_steps(name: str, batch: int, modes=MODES) -> tuple[dict[str, Callable[[
     """One training-step closure per mode (each on its own copy of the model), and the seconds the compiled
     mode's first step took (its compile time; None without that mode)."""
     base = create_model(name).train()
-    x = torch.randn(batch, 3, *base.img_size)
+    x = torch.randn(batch, 3, *_img_size(base))
     y = torch.randint(0, base.num_classes, (batch,))
     steps, compile_s = {}, None
     for mode in modes:
@@ -72,7 +77,7 @@ def bench_modes(names, batch: int = 128, repeats: int = 5, modes=MODES) -> list[
         model = create_model(name)
         if name.startswith(("resnet", "hybrid")):  # as train.py runs them (channels_last "auto")
             model = model.to(memory_format=torch.channels_last)
-        infer = measure_inference(model, (3, *model.img_size), 256, repeats=repeats)
+        infer = measure_inference(model, (3, *_img_size(model)), 256, repeats=repeats)
         steps, compile_s = mode_steps(name, batch, modes)
         seconds = interleaved_medians(steps, repeats=repeats)
         row = {"model": name, "batch": batch, "compile_s": compile_s, "infer_img_s": infer}

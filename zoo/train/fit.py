@@ -166,6 +166,9 @@ def run_test(trainer: pl.Trainer, module: ImageClassifier, dm: ImageDataModule, 
     ``test_loss_smoothed`` is the training objective (label-smoothed cross-entropy, with the recipe's test-time
     augmentation), not the plain cross-entropy eval.py reports as ``test_cross_entropy``."""
     tested = best.best_model_path if best.best_model_path and Path(best.best_model_path).exists() else None
+    # A checkpoint's state_dict holds the EMA weights (the ones validation scored and load_run / eval.py read),
+    # but WeightAveraging.on_load_checkpoint would swap the raw weights back in for the test: it steps aside.
+    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, WeightAveraging)]
     results = trainer.test(module, datamodule=dm, ckpt_path=tested)[0]
     return {"test_top1": float(results["test/top1"]), "test_top5": float(results["test/top5"]),
             "test_loss_smoothed": float(results["test/loss"]), "tested_checkpoint": Path(tested or "last").name}
