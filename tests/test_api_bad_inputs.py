@@ -115,7 +115,7 @@ EXPLAIN = [
     ("record_attention('vit')", lambda: zoo.record_attention("vit"), TypeError,
      r"record_attention: model must be an nn.Module, got 'vit'"),
     ("record_attention(resnet18)", lambda: zoo.record_attention(torchvision.models.resnet18()), ValueError,
-     r"ResNet has nothing to record: looked for zoo.MultiHeadAttention modules or CBAM spatial gates"),
+     r"ResNet has nothing to record: looked for attention modules .* or CBAM spatial gates"),
     ("rollout of nothing", lambda: zoo.attention_rollout([]), ValueError, r"maps must be a non-empty list"),
     ("rollout of a tensor", lambda: zoo.attention_rollout(maps[0]), ValueError, r"maps must be a non-empty list"),
     ("rollout 3-D map", lambda: zoo.attention_rollout([maps[0][0]]), ValueError, r"maps\[0\] must be \(B, H, N, N\)"),
