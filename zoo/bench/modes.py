@@ -16,13 +16,12 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from timm.layers import to_2tuple
 from torch import nn
 
 from ..models import create_model
 from ..train.device import cpu_has_native_bf16, machine_name
-from .timing import interleaved_medians, measure_inference
+from .timing import interleaved_medians, measure_inference, training_step
 
 MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled")
 
@@ -31,37 +30,22 @@ def _img_size(model: nn.Module) -> tuple[int, int]:
     return to_2tuple(getattr(model, "img_size", 32))  # the CIFAR ResNets take any size: 32x32 here
 
 
-def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> Callable[[], None]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = F.cross_entropy(model(x).float(), y)
-        loss.backward()
-        optimizer.step()
-
-    return step
-
-
 def mode_steps(name: str, batch: int, modes=MODES) -> tuple[dict[str, Callable[[], None]], float | None]:
     """One training-step closure per mode (each on its own copy of the model), and the seconds the compiled
     mode's first step took (its compile time; None without that mode)."""
     base = create_model(name).train()
-    x = torch.randn(batch, 3, *_img_size(base))
-    y = torch.randint(0, base.num_classes, (batch,))
+    shape = (3, *_img_size(base))
     steps, compile_s = {}, None
     for mode in modes:
         model = copy.deepcopy(base)
-        inputs = x
-        if "channels_last" in mode:
-            model = model.to(memory_format=torch.channels_last)
-            inputs = x.contiguous(memory_format=torch.channels_last)
-        if mode == "bf16_true":
-            model, inputs = model.to(torch.bfloat16), x.to(torch.bfloat16)
+        memory_format = torch.channels_last if "channels_last" in mode else torch.contiguous_format
+        dtype = torch.bfloat16 if mode == "bf16_true" else torch.float32
+        model = model.to(dtype=dtype, memory_format=memory_format)
         if mode == "fp32_compiled":
             model = torch.compile(model)
-        steps[mode] = _step(model, inputs, y, autocast=mode.startswith("bf16_mixed"))
+        steps[mode] = training_step(model, shape, batch, num_classes=base.num_classes, dtype=dtype,
+                                    memory_format=memory_format,
+                                    precision="bf16-mixed" if mode.startswith("bf16_mixed") else "32")
         if mode == "fp32_compiled":
             start = time.perf_counter()
             steps[mode]()

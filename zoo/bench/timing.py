@@ -76,12 +76,13 @@ def inference_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: in
 
 
 def training_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 128, *,
-                  num_classes: int = 10, precision: str = "32") -> Callable[[], None]:
+                  num_classes: int = 10, precision: str = "32", dtype: torch.dtype = torch.float32,
+                  memory_format: torch.memory_format = torch.contiguous_format) -> Callable[[], None]:
     """A closure running one training step (forward, cross-entropy, backward, AdamW step) of ``model`` itself
-    on ``batch`` random images; pass a copy to keep the original weights."""
+    on ``batch`` random images of ``dtype`` in ``memory_format``; pass a copy to keep the original weights."""
     device = _device(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(batch, *input_shape, device=device)
+    x = torch.randn(batch, *input_shape, device=device).to(dtype).contiguous(memory_format=memory_format)
     y = torch.randint(0, num_classes, (batch,), device=device)
 
     def step():
