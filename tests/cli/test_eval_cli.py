@@ -65,7 +65,8 @@ def test_compare_two_runs(tiny_run, tmp_path):
     from zoo.explain.leaderboard import write_csv
 
     write_csv([{"model": "vit_nano", "method": method, "removal": "zero", "metric": "deletion", "auc": auc,
-                "ci_low": auc - 0.01, "ci_high": auc + 0.01, "p_vs_random": p, "num_images": 20}
+                "ci_low": auc - 0.01, "ci_high": auc + 0.01, "p_vs_random": p, "p_vs_rollout": math.nan,
+                "num_images": 20}
                for method, auc, p in (("rollout", 0.3, 0.4), ("chefer2021", 0.2, 0.001), ("random", 0.1, math.nan))],
               second / "faithfulness.csv")  # the best method is named whatever the row label says
     out = tmp_path / "compare"
@@ -111,7 +112,7 @@ def _faithfulness(tiny_run, out, *flags) -> list[dict]:
     with (out / "faithfulness.csv").open() as f:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == ("model", "method", "removal", "metric", "auc", "ci_low", "ci_high",
-                                            "p_vs_random", "num_images")
+                                            "p_vs_random", "p_vs_rollout", "num_images")
         return list(reader)
 
 
@@ -130,6 +131,7 @@ def test_faithfulness_leaderboard(tiny_run, tmp_path, capsys):
         assert row["model"] == "vit_nano" and row["num_images"] == "20"
         assert float(row["ci_low"]) <= float(row["auc"]) <= float(row["ci_high"])
         assert (row["p_vs_random"] == "nan") == (row["method"] == "random")
+        assert (row["p_vs_rollout"] == "nan") == (row["method"] in ("rollout", "random"))
     md = (out / "faithfulness.md").read_text()
     assert "## vit_nano (20 test images)" in md and md.count("(best)") == 2 and "Sanity check (Adebayo" in md
     assert "| method | head | norm | blocks.5 |" in md

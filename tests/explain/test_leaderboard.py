@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import math
 
+import pytest
 import torch
 
 import zoo
@@ -23,6 +24,7 @@ def test_rows_cover_every_applicable_method_removal_and_metric(tmp_path):
     for row in rows:
         assert row["num_images"] == 6 and row["ci_low"] <= row["auc"] <= row["ci_high"]
         assert math.isnan(row["p_vs_random"]) == (row["method"] == "random")
+        assert math.isnan(row["p_vs_rollout"]) == (row["method"] in ("rollout", "random"))
     write_csv(rows, tmp_path / "faithfulness.csv")
     with open(tmp_path / "faithfulness.csv") as f:
         read = list(csv.DictReader(f))
@@ -52,7 +54,7 @@ def test_best_method_and_csv_round_trip(tmp_path):
     def row(method, removal, metric, auc):
         return {"model": "m", "method": method, "removal": removal, "metric": metric, "auc": auc,
                 "ci_low": auc - 0.01, "ci_high": auc + 0.01, "p_vs_random": math.nan if method == "random" else 0.01,
-                "num_images": 10}
+                "p_vs_rollout": math.nan if method in ("random", "rollout") else 0.02, "num_images": 10}
 
     rows = [row("random", "zero", "deletion", 0.1), row("rollout", "zero", "deletion", 0.3),
             row("gradcam", "zero", "deletion", 0.2), row("rollout", "zero", "insertion", 0.6),
@@ -65,3 +67,44 @@ def test_best_method_and_csv_round_trip(tmp_path):
     write_csv(rows, tmp_path / "faithfulness.csv")
     read = read_csv(tmp_path / "faithfulness.csv")
     assert read[2]["auc"] == 0.2 and read[2]["num_images"] == 10 and math.isnan(read[0]["p_vs_random"])
+    assert read[2]["p_vs_rollout"] == 0.02 and math.isnan(read[1]["p_vs_rollout"])
+
+
+def test_a_csv_from_before_p_vs_rollout_still_reads(tmp_path):
+    from zoo.explain.leaderboard import EARLIER_COLUMNS, read_csv
+
+    path = tmp_path / "faithfulness.csv"
+    path.write_text(",".join(EARLIER_COLUMNS) + "\nm,chefer2021,zero,deletion,0.2,0.19,0.21,0.001,1000\n")
+    (row,) = read_csv(path)
+    assert row["p_vs_random"] == 0.001 and math.isnan(row["p_vs_rollout"]) and row["num_images"] == 1000
+    path.write_text("model,method,auc\nm,rollout,0.2\n")
+    with pytest.raises(ValueError, match="is not a faithfulness.csv: expected the columns"):
+        read_csv(path)
+
+
+@pytest.mark.parametrize("metric", ["deletion", "insertion"])
+def test_p_vs_rollout_equals_scipys_exact_paired_permutation_test(metric):
+    """p_vs_rollout against scipy's exact sign-flip test on the per-image AUC differences (12 images: 4,096
+    sign patterns, so scipy enumerates them all while ours samples 10,000)."""
+    stats = pytest.importorskip("scipy.stats")
+    from zoo.explain.leaderboard import rows_from_curves
+    from zoo.explain.perturbation import auc
+
+    fractions = (0.0, 0.5, 1.0)
+    generator = torch.Generator().manual_seed(3)
+    curves = {m: torch.rand(12, 3, generator=generator, dtype=torch.float64)
+              for m in ("rollout", "chefer2021", "random")}
+    curves["chefer2021"] = curves["rollout"] + (0.08 if metric == "insertion" else -0.08) * torch.rand(
+        12, 3, generator=generator, dtype=torch.float64) + 0.05 * torch.randn(12, 3, generator=generator,
+                                                                                dtype=torch.float64)
+    rows = {r["method"]: r for r in rows_from_curves({("zero", metric): curves}, model_name="m",
+                                                     fractions=fractions)}
+    gain = auc(fractions, curves["chefer2021"]) - auc(fractions, curves["rollout"])
+    gain = gain if metric == "insertion" else -gain  # "beats rollout" = a positive gain
+    exact = stats.permutation_test((gain.numpy(),), lambda d: d.mean(), permutation_type="samples",
+                                   alternative="greater").pvalue
+    assert abs(rows["chefer2021"]["p_vs_rollout"] - exact) < 0.02
+    assert math.isnan(rows["rollout"]["p_vs_rollout"]) and math.isnan(rows["random"]["p_vs_rollout"])
+    no_rollout = rows_from_curves({("zero", metric): {m: curves[m] for m in ("chefer2021", "random")}},
+                                  model_name="m", fractions=fractions)
+    assert all(math.isnan(r["p_vs_rollout"]) for r in no_rollout)

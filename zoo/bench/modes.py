@@ -1,10 +1,12 @@
 """Training throughput of each model under each way to run it on this machine: fp32, fp32 channels_last,
 bf16 autocast with channels_last ("bf16-mixed"), the model cast to bf16 ("bf16-true"), and torch.compile'd
-fp32 (with the compile time paid once, measured apart). Candidates of one model are interleaved repeat by
+fp32 (by default; compiled channels_last fp32 and bf16-mixed on request), with the compile time paid once,
+measured apart. Candidates of one model are interleaved repeat by
 repeat (``interleaved_medians``), so their ratios are side by side; each step is a forward, cross-entropy,
 backward and AdamW step at ``batch``, on random images.
 
     python -m zoo.bench.modes --models hybrid_tiny vit_tiny --out modes.json
+    python -m zoo.bench.modes --models resnet18_cbam --modes fp32_channels_last bf16_mixed_channels_last
 """
 
 from __future__ import annotations
@@ -23,39 +25,47 @@ from ..models import create_model
 from ..train.device import cpu_has_native_bf16, machine_name
 from .timing import interleaved_medians, measure_inference, training_step
 
-MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled")
+MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled",
+         "fp32_compiled_channels_last", "bf16_mixed_compiled_channels_last")
+DEFAULT_MODES = MODES[:5]
 
 
 def _img_size(model: nn.Module) -> tuple[int, int]:
     return to_2tuple(getattr(model, "img_size", 32))  # the CIFAR ResNets take any size: 32x32 here
 
 
-def mode_steps(name: str, batch: int, modes=MODES) -> tuple[dict[str, Callable[[], None]], float | None]:
-    """One training-step closure per mode (each on its own copy of the model), and the seconds the compiled
-    mode's first step took (its compile time; None without that mode)."""
+def mode_steps(name: str, batch: int, modes=DEFAULT_MODES) -> tuple[dict[str, Callable[[], None]], dict[str, float]]:
+    """One training-step closure per mode (each on its own copy of the model; a mode is its name's parts:
+    fp32 / bf16_mixed / bf16_true, compiled, channels_last), and {compiled mode: seconds its first step took}
+    (the compile time)."""
     base = create_model(name).train()
     shape = (3, *_img_size(base))
-    steps, compile_s = {}, None
+    steps, compile_s = {}, {}
     for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         model = copy.deepcopy(base)
         memory_format = torch.channels_last if "channels_last" in mode else torch.contiguous_format
-        dtype = torch.bfloat16 if mode == "bf16_true" else torch.float32
+        dtype = torch.bfloat16 if mode.startswith("bf16_true") else torch.float32
         model = model.to(dtype=dtype, memory_format=memory_format)
-        if mode == "fp32_compiled":
+        if "compiled" in mode:
             model = torch.compile(model)
         steps[mode] = training_step(model, shape, batch, num_classes=base.num_classes, dtype=dtype,
                                     memory_format=memory_format,
                                     precision="bf16-mixed" if mode.startswith("bf16_mixed") else "32")
-        if mode == "fp32_compiled":
+        if "compiled" in mode:
             start = time.perf_counter()
             steps[mode]()
-            compile_s = time.perf_counter() - start
+            compile_s[mode] = time.perf_counter() - start
     return steps, compile_s
 
 
-def bench_modes(names, batch: int = 128, repeats: int = 5, modes=MODES) -> list[dict]:
-    """[{"model", "batch", "<mode>_img_s" per mode, "compile_s", "<mode>_vs_fp32" ratios, "infer_img_s"
-    (fp32 eval-mode forward at batch 256, channels_last for the conv models as train.py runs them)}]."""
+def bench_modes(names, batch: int = 128, repeats: int = 5, modes=DEFAULT_MODES) -> list[dict]:
+    """[{"model", "batch", "<mode>_img_s" per mode, "<mode>_compile_s" per compiled mode, "<mode>_vs_fp32"
+    ratios, "infer_img_s" (fp32 eval-mode forward at batch 256, channels_last for the conv models as train.py
+    runs them)}]. ``modes`` must hold "fp32" (the ratios' baseline)."""
+    if "fp32" not in modes:
+        raise ValueError(f"modes must include 'fp32' (the ratios are against it), got {list(modes)}")
     rows = []
     for name in names:
         model = create_model(name)
@@ -64,7 +74,8 @@ def bench_modes(names, batch: int = 128, repeats: int = 5, modes=MODES) -> list[
         infer = measure_inference(model, (3, *_img_size(model)), 256, repeats=repeats)
         steps, compile_s = mode_steps(name, batch, modes)
         seconds = interleaved_medians(steps, repeats=repeats)
-        row = {"model": name, "batch": batch, "compile_s": compile_s, "infer_img_s": infer}
+        row = {"model": name, "batch": batch, "infer_img_s": infer}
+        row.update({f"{m}_compile_s": s for m, s in compile_s.items()})
         row.update({f"{m}_img_s": batch / s for m, s in seconds.items()})
         row.update({f"{m}_vs_fp32": seconds["fp32"] / s for m, s in seconds.items() if m != "fp32"})
         rows.append(row)
@@ -76,9 +87,11 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=["hybrid_tiny", "vit_tiny"], help="registered model names")
     p.add_argument("--batch", type=int, default=128, help="training batch size")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per mode (medians are reported)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                   help="ways of running to measure (fp32 is always measured: the ratios are against it)")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
-    rows = bench_modes(args.models, args.batch, args.repeats)
+    rows = bench_modes(args.models, args.batch, args.repeats, ("fp32", *(m for m in args.modes if m != "fp32")))
     result = {"machine": machine_name(), "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": rows}
     text = json.dumps(result, indent=2)

@@ -1,7 +1,8 @@
 """What ``eval.py --faithfulness RUN [RUN ...] --out DIR`` does: for every run (a run directory or checkpoint
 written by train.py, or ``pretrained:NAME`` for a model whose weights ship with the zoo), explain test images
 spread evenly over the classes with every method that applies (``methods``), score each by deletion and insertion
-under the chosen removals with CIs and the paired test against random (``leaderboard``), and write into ``out``:
+under the chosen removals with CIs and the paired tests against random and rollout (``leaderboard``), and write
+into ``out``:
 
 - faithfulness.csv: ``leaderboard.COLUMNS``, one row per model x method x removal x metric;
 - faithfulness.md: a table per model with the best method of each column marked, and with ``sanity`` the
@@ -117,6 +118,7 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
 
 def _cell(row: dict, best: bool) -> str:
     p = "" if math.isnan(row["p_vs_random"]) else f", p={row['p_vs_random']:.2g}"
+    p += "" if math.isnan(row["p_vs_rollout"]) else f", p_rollout={row['p_vs_rollout']:.2g}"
     text = f"{row['auc']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]{p}"
     return f"**{text}** (best)" if best else text
 
@@ -128,8 +130,9 @@ def faithfulness_markdown(rows: list[dict], counts: dict[str, int], sanity: dict
              "Cells: AUC of the curve of the true class's softmax probability as 8x8 patches are removed in the "
              "order a method ranks them (deletion, most important first: lower = more faithful) or inserted into "
              "the fully removed image (insertion: higher = more faithful); mean over the test images (spread "
-             "evenly over the classes) with its bootstrap 95% CI, and p = a one-sided paired sign-flip test that "
-             "the method beats random on the same images. Bold: the best method (not random) in its column.", ""]
+             "evenly over the classes) with its bootstrap 95% CI, p = a one-sided paired sign-flip test that "
+             "the method beats random on the same images, and p_rollout = the same test against rollout (where "
+             "the model has it). Bold: the best method (not random) in its column.", ""]
     best = board.best_rows(rows)
     for model, count in counts.items():
         mine = [r for r in rows if r["model"] == model]
@@ -144,8 +147,9 @@ def faithfulness_markdown(rows: list[dict], counts: dict[str, int], sanity: dict
                 _cell(cell[method, m, r], best.get((model, r, m)) is cell[method, m, r]) for m, r in columns) + " |")
         top = board.best_method(rows, model)
         if top is not None:
+            vs_rollout = "" if math.isnan(top["p_vs_rollout"]) else f", p vs rollout {top['p_vs_rollout']:.2g}"
             lines += ["", f"Best method: **{top['method']}** (deletion AUC {top['auc']:.3f} with {top['removal']} "
-                      f"removal, p vs random {top['p_vs_random']:.2g})."]
+                      f"removal, p vs random {top['p_vs_random']:.2g}{vs_rollout})."]
         if sanity and model in sanity:
             lines += ["", *_sanity_table(sanity[model])]
         lines.append("")

@@ -1,6 +1,6 @@
 """The faithfulness leaderboard of one model: every applicable explanation method (``methods``) scored by
 deletion and insertion AUC under each chosen removal (``perturbation``), with bootstrap 95% CIs and the one-sided
-paired test against the random map on the same images, as rows of ``faithfulness.csv``.
+paired tests against the random map and against rollout on the same images, as rows of ``faithfulness.csv``.
 
 The points of a curve where no patch or every patch is removed are the same for every method (the image itself,
 or the image with everything removed), so they are scored once per removal and shared."""
@@ -17,9 +17,18 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .methods import applicable_methods, attribute
-from .perturbation import FRACTIONS, METRICS, bootstrap_ci, faithfulness_summary, perturbation_curves
+from .perturbation import (
+    FRACTIONS,
+    METRICS,
+    bootstrap_ci,
+    faithfulness_summary,
+    paired_auc_p_value,
+    perturbation_curves,
+)
 
-COLUMNS = ("model", "method", "removal", "metric", "auc", "ci_low", "ci_high", "p_vs_random", "num_images")
+COLUMNS = ("model", "method", "removal", "metric", "auc", "ci_low", "ci_high", "p_vs_random", "p_vs_rollout",
+           "num_images")
+EARLIER_COLUMNS = tuple(c for c in COLUMNS if c != "p_vs_rollout")  # faithfulness.csv before p_vs_rollout
 
 
 def method_heatmaps(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
@@ -75,13 +84,17 @@ def faithfulness_curves(model: nn.Module, images: torch.Tensor, labels: torch.Te
 def rows_from_curves(curves: dict[tuple[str, str], dict[str, torch.Tensor]], *, model_name: str,
                      fractions: Sequence[float] = FRACTIONS, seed: int = 0) -> list[dict]:
     """One row (``COLUMNS``) per (removal, metric) and method of ``faithfulness_curves``' result; "random" is the
-    baseline every p_vs_random is paired against (its own is NaN)."""
+    baseline every p_vs_random is paired against (its own is NaN), and "rollout", where the model has it, the one
+    every other method's p_vs_rollout is paired against (NaN for rollout, random and models without rollout)."""
     rows = []
     for (removal, metric), by_method in curves.items():
         for method, curve in by_method.items():
             summary = faithfulness_summary(fractions, curve, by_method["random"], metric=metric, seed=seed)
             if method == "random":
                 summary["p_vs_random"] = math.nan
+            summary["p_vs_rollout"] = (
+                paired_auc_p_value(fractions, curve, by_method["rollout"], metric=metric, seed=seed)
+                if "rollout" in by_method and method not in ("rollout", "random") else math.nan)
             rows.append({"model": model_name, "method": method, "removal": removal, "metric": metric, **summary})
     return rows
 
@@ -142,14 +155,16 @@ def write_csv(rows: Iterable[dict], path: str | Path) -> None:
 
 
 def read_csv(path: str | Path) -> list[dict]:
-    """The rows of a faithfulness.csv, numbers as numbers; a file without ``COLUMNS`` -> ValueError."""
+    """The rows of a faithfulness.csv, numbers as numbers (one written before p_vs_rollout existed gets NaN
+    there); a file with other columns -> ValueError."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != COLUMNS:
+        if tuple(reader.fieldnames or ()) not in (COLUMNS, EARLIER_COLUMNS):
             raise ValueError(f"{path} is not a faithfulness.csv: expected the columns {', '.join(COLUMNS)}, got "
                              f"{', '.join(reader.fieldnames or ())}")
         rows = list(reader)
     for row in rows:
-        row |= {k: float(row[k]) for k in ("auc", "ci_low", "ci_high", "p_vs_random")}
+        row.setdefault("p_vs_rollout", "nan")
+        row |= {k: float(row[k]) for k in ("auc", "ci_low", "ci_high", "p_vs_random", "p_vs_rollout")}
         row["num_images"] = int(row["num_images"])
     return rows
