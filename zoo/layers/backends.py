@@ -13,6 +13,7 @@ zeroed after (``row_ok``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +162,15 @@ def band_rows(chunk_size: int, window: int) -> int:
     return min(chunk_size, max(64, 2 * window))
 
 
+def band_block(chunk_size: int, reach: int) -> int:
+    """Key block of the banded path: keys are split into blocks once and each band is whole blocks, so the
+    backward sums every block's gradient from the few bands that read it. (A band sliced out of k would, in
+    backward, write a zero-filled gradient of all N keys per chunk: time quadratic in N.) The block divides both
+    the chunk and the reach where they share a divisor of at least 16, so the bands are then exact."""
+    common = math.gcd(chunk_size, reach)
+    return common if common >= 16 else 16
+
+
 def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights: bool, chunk_size: int):
     """Math attention over ``chunk_size`` query rows at a time.
 
@@ -174,10 +184,15 @@ def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights:
                  and (q.requires_grad or k.requires_grad or v.requires_grad))
     if banded:
         chunk_size = band_rows(chunk_size, masking.spec.reach)
+        block = band_block(chunk_size, masking.spec.reach)
+        q_chunks, k_blocks, v_blocks = q.split(chunk_size, dim=2), k.split(block, dim=2), v.split(block, dim=2)
     outs, weights = [], []
-    for start in range(0, masking.n, chunk_size):
+    for index, start in enumerate(range(0, masking.n, chunk_size)):
         rows = slice(start, start + chunk_size)
         cols = masking.spec.key_range(rows, masking.n, masking.m) if banded else slice(None)
+        if banded:  # the band widened to whole key blocks
+            first, last = cols.start // block, -(-cols.stop // block)
+            cols = slice(first * block, min(last * block, masking.m))
 
         def chunk(q_rows, k, v, rows=rows, cols=cols):
             bias, row_ok = masking.bias(rows, q_rows.dtype, q_rows.device, cols)
@@ -185,7 +200,10 @@ def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights:
                 return sdpa_attention(q_rows, k, v, bias, row_ok, dropout_p, is_causal=False), None
             return math_attention(q_rows, k, v, bias, row_ok, dropout_p, need_weights, masking.boolean)
 
-        if recompute and not need_weights:
+        if banded:
+            out, w = chunk(q_chunks[index], torch.cat(k_blocks[first:last], dim=2),
+                           torch.cat(v_blocks[first:last], dim=2))
+        elif recompute and not need_weights:
             out, w = checkpoint(chunk, q[:, :, rows], k, v, use_reentrant=False)
         else:
             out, w = chunk(q[:, :, rows], k[:, :, cols], v[:, :, cols])
