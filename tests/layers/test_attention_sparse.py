@@ -81,6 +81,39 @@ def test_banded_with_a_kv_cache_shape_is_bottom_right_aligned(kw):
     _assert_same(_run(attn, x, s, context), reference, "banded")
 
 
+def test_banded_with_more_queries_than_keys():
+    """N = 40 queries against M = 6 keys, window 3: the early chunks' bands hold no key at all (their rows give
+    proj.bias); banded vs math with the dense mask, forward and gradients."""
+    attn = _module()
+    x, context = torch.randn(2, 40, DIM), torch.randn(2, 6, DIM)
+    s = spec(window=3)
+    reference = _run(attn, x, s.dense(40, 6), context)
+    attn.backend = "chunked"
+    _assert_same(_run(attn, x, s, context), reference, "banded")
+
+
+def _graph_nodes(fn) -> list[str]:
+    """The names of every autograd node behind ``fn`` (a grad_fn)."""
+    seen, todo, names = set(), [fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+def test_banded_backward_slices_no_band_out_of_the_keys():
+    """Each band is a cat of key blocks split once, never a slice of k / v: a slice's backward writes a
+    zero-filled gradient of all N keys per chunk, which made the banded backward quadratic in N."""
+    attn = MultiHeadAttention(32, 2, backend="chunked", chunk_size=64)
+    x = torch.randn(1, 512, 32, requires_grad=True)
+    nodes = _graph_nodes(attn(x, mask=spec(window=8)).grad_fn)
+    assert nodes.count("CatBackward0") >= 512 // 64 and "SliceBackward0" not in nodes
+
+
 def test_spec_with_is_causal_and_with_the_linear_backend():
     attn = _module()
     x = torch.randn(2, 7, DIM)

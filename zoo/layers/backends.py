@@ -190,9 +190,11 @@ def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights:
     for index, start in enumerate(range(0, masking.n, chunk_size)):
         rows = slice(start, start + chunk_size)
         cols = masking.spec.key_range(rows, masking.n, masking.m) if banded else slice(None)
-        if banded:  # the band widened to whole key blocks
+        band = None
+        if banded and cols.stop > cols.start:  # the band widened to whole key blocks
             first, last = cols.start // block, -(-cols.stop // block)
             cols = slice(first * block, min(last * block, masking.m))
+            band = torch.cat(k_blocks[first:last], dim=2), torch.cat(v_blocks[first:last], dim=2)
 
         def chunk(q_rows, k, v, rows=rows, cols=cols):
             bias, row_ok = masking.bias(rows, q_rows.dtype, q_rows.device, cols)
@@ -200,9 +202,8 @@ def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights:
                 return sdpa_attention(q_rows, k, v, bias, row_ok, dropout_p, is_causal=False), None
             return math_attention(q_rows, k, v, bias, row_ok, dropout_p, need_weights, masking.boolean)
 
-        if banded:
-            out, w = chunk(q_chunks[index], torch.cat(k_blocks[first:last], dim=2),
-                           torch.cat(v_blocks[first:last], dim=2))
+        if band is not None:
+            out, w = chunk(q_chunks[index], *band)
         elif recompute and not need_weights:
             out, w = checkpoint(chunk, q[:, :, rows], k, v, use_reentrant=False)
         else:
