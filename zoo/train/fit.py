@@ -139,8 +139,11 @@ def build_callbacks(plan: RunPlan) -> RunCallbacks:
                            enable_version_counter=False)
     steps = ModelCheckpoint(ckpt_dir, "last", save_top_k=0, save_last=True,
                             every_n_train_steps=recipe.ckpt_every_n_steps, enable_version_counter=False)
+    # last.ckpt after every validation, the one at a stop included: Lightning's save_last writes it only where the
+    # monitored score improved, so a run whose final validation did not improve kept an older last.ckpt
+    latest = ModelCheckpoint(ckpt_dir, "last", enable_version_counter=False)
     throughput = Throughput()
-    callbacks = [best, steps, throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
+    callbacks = [best, steps, latest, throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
                  LearningRateMonitor("step")]
     if recipe.ema_decay:
         callbacks.append(WeightAveraging(avg_fn=ema_avg_fn(recipe.ema_decay)))
