@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.train.device import cpu_has_native_bf16
+from zoo.train.device import resolve_precision
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -50,7 +50,7 @@ def test_smoke_run_per_model(name, slice_args, tmp_path, capsys):
         assert (run_dir / rel).is_file(), rel
     summary = json.loads((run_dir / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(summary)
-    auto = "bf16-mixed" if cpu_has_native_bf16() else "32"  # what --precision auto is on this CPU
+    auto = resolve_precision("auto", "cpu")  # bf16-mixed on a CPU with native bf16, else 32 (test_optim_tta)
     assert summary["model"] == name and summary["global_step"] == 2 and summary["precision"] == auto
     size = summary["img_size"]  # the recipe's (64 for vit_local_tiny)
     assert summary["params"] == sum(p.numel() for p in zoo.create_model(name, img_size=size).parameters())

@@ -53,7 +53,7 @@ class RunPlan:
 
 
 class RunCallbacks(NamedTuple):
-    best: ModelCheckpoint       # best.ckpt by val/top1, and last.ckpt at the end of every epoch
+    best: ModelCheckpoint       # best.ckpt by val/top1 (last.ckpt comes from the other checkpoint callbacks)
     throughput: Throughput
     all: list[pl.Callback]
 
@@ -135,12 +135,12 @@ def build_callbacks(plan: RunPlan) -> RunCallbacks:
     """Checkpoints (best by val/top1, last every N steps), throughput, progress, LR log, the EMA of the weights
     (Lightning's ``WeightAveraging``: validation, checkpoints and the test see the average), the time budget."""
     recipe, ckpt_dir = plan.recipe, plan.run_dir / "checkpoints"
-    best = ModelCheckpoint(ckpt_dir, "best", monitor="val/top1", mode="max", save_top_k=1, save_last=True,
+    best = ModelCheckpoint(ckpt_dir, "best", monitor="val/top1", mode="max", save_top_k=1,
                            enable_version_counter=False)
     steps = ModelCheckpoint(ckpt_dir, "last", save_top_k=0, save_last=True,
                             every_n_train_steps=recipe.ckpt_every_n_steps, enable_version_counter=False)
-    # last.ckpt after every validation, the one at a stop included: Lightning's save_last writes it only where the
-    # monitored score improved, so a run whose final validation did not improve kept an older last.ckpt
+    # last.ckpt after every validation, the one at a stop included (Lightning's save_last on ``best`` would write it
+    # only where the monitored score improved, so a run whose final validation did not improve kept an older one)
     latest = ModelCheckpoint(ckpt_dir, "last", enable_version_counter=False)
     throughput = Throughput()
     callbacks = [best, steps, latest, throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
