@@ -179,3 +179,22 @@ def test_fit_whitening_sets_the_filters_from_images_and_they_are_saved():
     assert not torch.equal(layer.weight, before)
     assert torch.equal(module.state_dict()["model.stem.0.weight"], layer.weight)
     assert ImageClassifier("vit_nano", TINY, num_classes=10).whitening_layers == []
+
+
+@pytest.mark.parametrize("fit_whitening", [True, False])
+def test_a_new_run_fits_the_whitening_filters_unless_the_recipe_says_not_to(fit_whitening, tmp_path):
+    from types import SimpleNamespace
+
+    from zoo.layers.whitening import PatchWhitening
+    from zoo.train.fit import RunPlan, build_module
+    from zoo.train.recipe import Recipe
+
+    images = torch.randint(0, 256, (40, 3, 32, 32), dtype=torch.uint8)
+    normalize = lambda x: (x.float() / 255 - 0.5) / 0.25  # noqa: E731
+    dm = SimpleNamespace(num_classes=10, normalize=normalize, train_dataset=SimpleNamespace(images=images))
+    recipe = Recipe.from_dict({"model": "hybrid_tiny", "fit_whitening": fit_whitening})
+    (layer,) = build_module(RunPlan(recipe, "cpu", "32", tmp_path, None), dm).whitening_layers
+    expected = PatchWhitening(3, kernel_size=2, num_filters=12)  # the fixed random filters of a new layer
+    if fit_whitening:
+        expected.fit(normalize(images))
+    torch.testing.assert_close(layer.weight, expected.weight)

@@ -1,6 +1,8 @@
 """Measuring speed and memory: timing and memory primitives (``timing``), the input pipeline's speed
 (``pipeline``), the side-by-side suite that ``eval.py --bench-suite`` runs (``suite``) and sliding-window
-attention, dense vs masked vs banded vs flex (``sparse``, ``python -m zoo.bench.sparse``). Imports
+attention, dense vs masked vs banded vs flex (``sparse``, ``python -m zoo.bench.sparse``), training
+throughput per precision / memory format / compile (``modes``) and the short recipe's ablation, one training
+run per variant and seed (``ablation``, ``python -m zoo.bench.ablation``). Imports
 ``zoo.models`` and ``zoo.layers`` (and ``zoo.train``'s data module for the input-pipeline measurement)."""
 
 from .pipeline import measure_throughput

@@ -124,7 +124,8 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
         label_smoothing=recipe.label_smoothing, channels_last=bool(channels_last), compile=recipe.compile,
         optimizer=recipe.optimizer, momentum=recipe.momentum, no_decay_lr_scale=recipe.no_decay_lr_scale,
         schedule=recipe.schedule, tta=recipe.tta)
-    if plan.resume_from is None and module.whitening_layers:  # a resumed run's checkpoint holds its filters
+    # a resumed run's checkpoint holds its filters; fit_whitening=false keeps the random ones (the ablation)
+    if plan.resume_from is None and module.whitening_layers and recipe.fit_whitening:
         module.fit_whitening(dm.normalize(dm.train_dataset.images[:WHITENING_IMAGES]))
     if recipe.init_from and plan.resume_from is None:
         print(init_from(module.model, recipe.init_from, allow_partial=recipe.init_partial).summary())

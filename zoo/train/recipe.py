@@ -202,6 +202,7 @@ class Recipe:
     warmup_epochs: float = _field(5.0, "linear warm-up, in epochs (fractions allowed)", _number)
     min_lr_ratio: float = _field(0.01, "the decay ends at lr * min_lr_ratio", _number)
     label_smoothing: float = _field(0.1, "cross-entropy label smoothing", _number)
+    fit_whitening: bool = _field(True, "patch-whitening filters from training images (false: fixed random ones)", _flag)
     ema_decay: float = _field(0.0, "EMA of the weights (decay warming up to this); 0 = off", _unit_interval)
     tta: int = _field(0, "test-time augmentation of validation and test: 0 none, 1 mirror, 2 mirror + shifts",
                       _choice(TTA_LEVELS))

@@ -1,0 +1,71 @@
+"""The recipe's ablation (zoo.bench.ablation) without training: each variant is the recipe with only its own
+keys changed, the command line is the goal's, the table's means and paired differences match a hand
+computation, and a finished (variant, seed) is read back so a stopped ablation resumes."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from zoo.bench import ablation
+from zoo.train.recipe import parse_set, resolve_config
+
+CONFIG = str(Path(__file__).parents[2] / "configs" / "cpu_budget.yaml")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and key == "augment":
+            out.update(_flat(value, f"{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+@pytest.mark.parametrize("variant", [v for v in ablation.VARIANTS if v != "recipe"])
+def test_each_variant_changes_only_its_own_keys(variant):
+    base = _flat(asdict(resolve_config("hybrid_tiny", CONFIG)))
+    changed = _flat(asdict(resolve_config("hybrid_tiny", CONFIG, overrides=ablation.VARIANTS[variant])))
+    differing = {key for key in base if base[key] != changed[key]}
+    assert differing == set(_flat(parse_set(list(ablation.VARIANTS[variant]))))
+
+
+def test_train_command_is_the_goals_command_with_the_variants_overrides(tmp_path):
+    cmd = ablation.train_command("sgd_nesterov", 1, model="hybrid_tiny", config="configs/cpu_budget.yaml",
+                                 data_dir="D", max_time="00:00:10:00", runs=tmp_path)
+    args = cmd[3:]  # after python -c <program>
+    assert args[:10] == ["--model", "hybrid_tiny", "--config", "configs/cpu_budget.yaml", "--data-dir", "D",
+                         "--max-time", "00:00:10:00", "--seed", "1"]
+    assert args[args.index("--out") + 1] == str(tmp_path)
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--set"] == list(ablation.VARIANTS["sgd_nesterov"])
+
+
+def _row(variant, seed, tta, plain, steps=100):
+    return {"variant": variant, "seed": seed, "run_dir": f"r/{variant}{seed}", "steps": steps,
+            "train_images_per_s": 1.0, "best_val_top1": 0.5, "test_top1_tta": tta, "test_top1_plain": plain}
+
+
+def test_table_means_and_paired_differences_match_a_hand_computation(tmp_path):
+    rows = [_row("recipe", 0, 0.84, 0.82), _row("recipe", 1, 0.86, 0.83),
+            _row("no_ema", 0, 0.80, 0.79), _row("no_ema", 1, 0.83, 0.80, steps=200)]
+    table = ablation.ablation_table(rows)
+    recipe_line = next(line for line in table.splitlines() if line.startswith("| recipe |"))
+    no_ema_line = next(line for line in table.splitlines() if line.startswith("| no_ema |"))
+    assert "| 0, 1 | 0.8400, 0.8600 | 0.8500 |" in recipe_line
+    # paired: (0.80 - 0.84 + 0.83 - 0.86) / 2 = -0.035 with TTA, (0.79 - 0.82 + 0.80 - 0.83) / 2 = -0.03 without
+    assert "| 0.8150 | -0.0350 | 0.7950 | -0.0300 | 150 |" in no_ema_line
+    assert "+0.0250" in table  # TTA on the recipe: (0.02 + 0.03) / 2
+    assert "no_whitening" not in table  # variants without runs have no row
+
+    path = tmp_path / "ablation.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, ablation.FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    read = ablation.read_rows(path)
+    assert [(r["variant"], r["seed"]) for r in read] == [("recipe", 0), ("recipe", 1), ("no_ema", 0), ("no_ema", 1)]
+    assert ablation.ablation_table(read) == table

@@ -1,0 +1,126 @@
+"""The short recipe's ablation: the goal's command (``train.py --model hybrid_tiny --config
+configs/cpu_budget.yaml --max-time 00:00:10:00``) once per variant and seed, each variant the recipe with one
+technique switched off or swapped. Each run's test top-1 with test-time augmentation comes from its
+summary.json and without it from ``eval.py --checkpoint`` on the same weights, so the TTA row costs no run.
+Variants run seed by seed, interleaved (every variant's seed 0, then every seed 1), so a drift of the machine
+spreads over all of them. Results go to ``ablation.csv`` (a finished (variant, seed) is not run again: a
+stopped ablation resumes) and ``ablation.md``.
+
+    python -m zoo.bench.ablation --data-dir ../shared/data/cifar10 --out out/ablation --seeds 0 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# name -> the --set overrides that make it from the recipe; "recipe" is the recipe itself.
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "recipe": (),
+    "no_ema": ("ema_decay=0",),
+    "no_whitening": ("fit_whitening=false",),
+    "random_flip": ("augment.alternating_flip=false",),
+    "no_label_smoothing": ("label_smoothing=0",),
+    "sgd_nesterov": ("optimizer=sgd", "lr=0.1", "weight_decay=5e-4"),
+}
+FIELDS = ("variant", "seed", "run_dir", "steps", "train_images_per_s", "best_val_top1", "test_top1_tta",
+          "test_top1_plain")
+_TRAIN = "import sys; from zoo.train.cli import main; sys.exit(main(sys.argv[1:]))"
+_EVAL = "import sys; from zoo.explain.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def train_command(variant: str, seed: int, *, model: str, config: str, data_dir: str, max_time: str,
+                  runs: Path) -> list[str]:
+    """The train.py command line of one (variant, seed)."""
+    sets = [arg for item in VARIANTS[variant] for arg in ("--set", item)]
+    return [sys.executable, "-c", _TRAIN, "--model", model, "--config", config, "--data-dir", data_dir,
+            "--max-time", max_time, "--seed", str(seed), "--out", str(runs), *sets]
+
+
+def run_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
+    """Train one (variant, seed), evaluate its tested weights without TTA; its row of ablation.csv."""
+    cmd = train_command(variant, seed, model=args.model, config=args.config, data_dir=args.data_dir,
+                        max_time=args.max_time, runs=args.out / "runs")
+    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    run_dir = Path(done.stdout.strip().splitlines()[-1])  # train.py prints the run directory last
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ckpt = run_dir / "checkpoints" / summary["tested_checkpoint"]
+    subprocess.run([sys.executable, "-c", _EVAL, "--checkpoint", str(ckpt), "--out", str(run_dir / "plain"),
+                    "--data-dir", args.data_dir], check=True, stdout=subprocess.DEVNULL)
+    plain = json.loads((run_dir / "plain" / "metrics.json").read_text())
+    return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "steps": summary["global_step"],
+            "train_images_per_s": summary["train_images_per_s"], "best_val_top1": summary["best_val_top1"],
+            "test_top1_tta": summary["test_top1"], "test_top1_plain": plain["test_top1"]}
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return [{**row, "seed": int(row["seed"])} for row in csv.DictReader(f)]
+
+
+def ablation_table(rows: list[dict]) -> str:
+    """Markdown: per variant, test top-1 with and without TTA per seed and their means, and the mean of the
+    paired (same seed) differences from the recipe; TTA's own gain is the recipe's TTA minus plain."""
+    by = {(r["variant"], int(r["seed"])): r for r in rows}
+    base = {seed: r for (v, seed), r in by.items() if v == "recipe"}
+    lines = ["| variant | overrides | seeds | test top-1, TTA (per seed) | mean | vs recipe (paired) | "
+             "without TTA: mean | vs recipe | steps (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        runs = sorted((seed, r) for (v, seed), r in by.items() if v == variant)
+        if not runs:
+            continue
+        tta = [float(r["test_top1_tta"]) for _, r in runs]
+        plain = [float(r["test_top1_plain"]) for _, r in runs]
+        paired = [(float(r["test_top1_tta"]) - float(base[s]["test_top1_tta"]),
+                   float(r["test_top1_plain"]) - float(base[s]["test_top1_plain"])) for s, r in runs if s in base]
+        delta = (lambda i: f"{statistics.mean(p[i] for p in paired):+.4f}" if paired and variant != "recipe"
+                 else "")
+        lines.append(
+            f"| {variant} | {' '.join(VARIANTS[variant]) or '(configs/cpu_budget.yaml)'} | "
+            f"{', '.join(str(s) for s, _ in runs)} | {', '.join(f'{a:.4f}' for a in tta)} | "
+            f"{statistics.mean(tta):.4f} | {delta(0)} | {statistics.mean(plain):.4f} | {delta(1)} | "
+            f"{statistics.mean(int(r['steps']) for _, r in runs):.0f} |")
+    if base:
+        gain = statistics.mean(float(r["test_top1_tta"]) - float(r["test_top1_plain"]) for r in base.values())
+        lines.append(f"\nTest-time augmentation on the recipe's weights: {gain:+.4f} (mean over seeds).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--model", default="hybrid_tiny")
+    p.add_argument("--config", default="configs/cpu_budget.yaml")
+    p.add_argument("--max-time", default="00:00:10:00")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = args.out / "ablation.csv"
+    rows = read_rows(table)
+    for seed in args.seeds:
+        for variant in args.variants:
+            if any(r["variant"] == variant and r["seed"] == seed for r in rows):
+                continue
+            rows.append(run_one(variant, seed, args))
+            with table.open("w", newline="") as f:  # rewritten whole after each run: a stop loses no row
+                writer = csv.DictWriter(f, FIELDS)
+                writer.writeheader()
+                writer.writerows(rows)
+            (args.out / "ablation.md").write_text(ablation_table(rows))
+            print(f"{variant} seed {seed}: test top-1 {rows[-1]['test_top1_tta']:.4f} (TTA), "
+                  f"{rows[-1]['test_top1_plain']:.4f} (plain)", flush=True)
+    print(ablation_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
