@@ -14,10 +14,12 @@ from zoo.bench import sparse
 
 def test_candidates_follow_the_size_and_mode_limits():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert sparse.candidates(4096, "fwd", cpu) == ["dense", "math", "masked_sdpa", "banded", "flex", "auto"]
+    assert sparse.candidates(4096, "fwd", cpu) == ["dense", "math", "masked_sdpa", "banded", "flex", "auto",
+                                                   "projections"]
     assert sparse.candidates(4096, "fwd", cpu, first_window=False) == ["masked_sdpa", "banded", "flex", "auto"]
-    assert sparse.candidates(16384, "fwd", cpu) == ["banded", "flex", "auto"]
-    assert sparse.candidates(4096, "fwd+bwd", cpu) == ["dense", "math", "masked_sdpa", "banded", "auto"]  # no bwd
+    assert sparse.candidates(16384, "fwd", cpu) == ["banded", "flex", "auto", "projections"]
+    assert sparse.candidates(4096, "fwd+bwd", cpu) == ["dense", "math", "masked_sdpa", "banded", "auto",
+                                                       "projections"]  # no flex backward on a CPU
     assert "flex" in sparse.candidates(16384, "fwd+bwd", cuda)
 
 
@@ -40,7 +42,7 @@ def test_rows_and_memory_and_claims_on_small_sizes():
     rows = sparse.memory_rows(rows)
     assert [(r["n"], r["window"], r["mode"]) for r in rows] == [(128, 8, "fwd+bwd"), (512, 8, "fwd+bwd")]
     for r in rows:
-        for name in ("dense", "math", "masked_sdpa", "banded", "auto"):
+        for name in ("dense", "math", "masked_sdpa", "banded", "auto", "projections"):
             assert r[f"{name}_ms"] > 0 and r[f"{name}_mb"] is not None
     fake_fwd = [{**r, "mode": "fwd", "flex_ms": 1.0} for r in rows]
     claims = sparse.sparse_claims(rows + fake_fwd, n=512, window=8)
@@ -51,6 +53,9 @@ def test_rows_and_memory_and_claims_on_small_sizes():
         rows[1]["masked_sdpa_ms"] / rows[1]["auto_ms"])
     assert by_claim["window ±8 training, auto >= 4x less peak memory than dense (math)"] == pytest.approx(
         rows[1]["math_mb"] / rows[1]["auto_mb"])
+    assert not any("(projections)" in claim for claim in by_claim)  # the floor is no dense candidate
+    assert by_claim["the most any candidate can save against dense (sdpa): dense's peak over the layer without "
+                    "attention"] == pytest.approx(rows[1]["dense_mb"] / rows[1]["projections_mb"])
     assert by_claim["banded time linear in N: <= 5x for 4x the tokens (fwd+bwd)"] == pytest.approx(
         rows[1]["banded_ms"] / rows[0]["banded_ms"])
 

@@ -8,6 +8,9 @@ sliding-window mask, as
 - ``flex``: backend "flex" with the same spec (forward only on a CPU: flex has no CPU backward in torch 2.14),
 - ``auto``: backend "auto" with the spec, i.e. what ``backends.auto_sparse`` picks (banded on a CPU, flex on
   CUDA),
+- ``projections``: the same layer with its attention left out (q + k + v goes to the output projection): the
+  time and memory every candidate spends outside attention, so a peak can be read as this floor plus
+  attention's own share, and no candidate can use less memory than it,
 
 forward ("fwd", under no_grad) and forward + backward ("fwd+bwd"), time (interleaved medians) and peak memory
 (a fresh subprocess, as ``suite.attention_peak_memory_mb``), plus flex's compile time (its first call minus a
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from einops import rearrange
 
 from ..layers.attention import MultiHeadAttention
 from ..layers.masks import spec
@@ -40,14 +44,15 @@ WINDOWS = (16, 64, 256)
 BACKENDS = {"dense": "sdpa", "math": "math", "masked_sdpa": "sdpa", "banded": "chunked", "flex": "flex",
             "auto": "auto"}
 QUADRATIC = ("dense", "math", "masked_sdpa")  # N x N work: only up to dense_max_n
-WINDOWLESS = ("dense", "math")  # no window: measured once per (N, mode), on the first window's row
+WINDOWLESS = ("dense", "math", "projections")  # no window: measured once per (N, mode), on the first window's row
+FLOOR = "projections"
 
 
 def candidates(n: int, mode: str, device: torch.device, dense_max_n: int = 8192,
                first_window: bool = True) -> list[str]:
     """The candidates measured at N = n in ``mode``: quadratic ones only up to ``dense_max_n``, windowless
     ones only on the first window's row; flex's forward everywhere, its backward only on CUDA."""
-    names = [c for c in BACKENDS if (n <= dense_max_n or c not in QUADRATIC)
+    names = [c for c in (*BACKENDS, FLOOR) if (n <= dense_max_n or c not in QUADRATIC)
              and (first_window or c not in WINDOWLESS)]
     if mode == "fwd+bwd" and device.type != "cuda":
         names.remove("flex")
@@ -56,15 +61,19 @@ def candidates(n: int, mode: str, device: torch.device, dense_max_n: int = 8192,
 
 def _call(name: str, n: int, window: int, mode: str, device: torch.device):
     """A closure running candidate ``name`` once (its module, input and mask built here, outside the timing)."""
-    attn = MultiHeadAttention(DIM, HEADS, backend=BACKENDS[name]).to(device)
+    attn = MultiHeadAttention(DIM, HEADS, backend=BACKENDS.get(name, "sdpa")).to(device)
     backward = mode == "fwd+bwd"
     x = torch.randn(1, n, DIM, device=device, requires_grad=backward)
     mask = {"dense": None, "math": None,
             "masked_sdpa": spec(window=window).dense(n, device=device)[0, 0]}.get(name, spec(window=window))
 
+    def without_attention():
+        q, k, v = attn._project(x, None)
+        return attn.proj(rearrange(q + k + v, "b h n d -> b n (h d)"))
+
     def step():
         with torch.set_grad_enabled(backward):
-            out = attn(x, mask=mask)
+            out = without_attention() if name == FLOOR else attn(x, mask=mask)
             if backward:
                 out.sum().backward()
 
@@ -165,11 +174,16 @@ def sparse_claims(rows: list[dict], n: int = 4096, window: int = 64) -> list[dic
     claims.append({"claim": f"window ±{window} training, auto >= 3x faster than masked SDPA",
                    "measured": train["masked_sdpa_ms"] / train["auto_ms"], "unit": f"x speed (fwd+bwd, N={n})"})
     windowless = next(r for r in rows if (r["n"], r["mode"]) == (n, "fwd+bwd") and "dense_ms" in r)
-    for name in WINDOWLESS:
+    for name in ("dense", "math"):
         if f"{name}_mb" in windowless and "auto_mb" in train:
             claims.append({"claim": f"window ±{window} training, auto >= 4x less peak memory than dense ({name})",
                            "measured": windowless[f"{name}_mb"] / max(train["auto_mb"], 1e-3),
                            "unit": f"x memory (fwd+bwd peak, N={n})"})
+    if f"{FLOOR}_mb" in windowless and "dense_mb" in windowless:
+        claims.append({"claim": "the most any candidate can save against dense (sdpa): dense's peak over the "
+                                "layer without attention",
+                       "measured": windowless["dense_mb"] / max(windowless[f"{FLOOR}_mb"], 1e-3),
+                       "unit": f"x memory (fwd+bwd peak, N={n})"})
     ns = sorted({r["n"] for r in rows})
     for mode in ("fwd", "fwd+bwd"):
         small, large = _row(rows, ns[0], window, mode), _row(rows, ns[-1], window, mode)
