@@ -1,12 +1,14 @@
 """Crash-safe file writes: the new content goes to a temporary file beside the target, is fsynced, and is
 renamed over the target (``os.replace`` is atomic on POSIX), so a process killed mid-write leaves the old
-file intact. Used for checkpoints, summary files and the data cache."""
+file intact. Used for checkpoints, summary files, CSV tables and the data cache."""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -28,3 +30,12 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_csv(path: str | Path, fieldnames: Sequence[str], rows: Iterable[Mapping]) -> None:
+    """A CSV file (header, then ``rows``) written whole through ``atomic_write``."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(fieldnames))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(path, lambda f: f.write(text.getvalue().encode()))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from zoo.atomic import atomic_write_csv
 from zoo.bench import ablation
 from zoo.train.recipe import parse_set, resolve_config
 
@@ -62,10 +63,9 @@ def test_table_means_and_paired_differences_match_a_hand_computation(tmp_path):
     assert "no_whitening" not in table  # variants without runs have no row
 
     path = tmp_path / "ablation.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, ablation.FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    atomic_write_csv(path, ablation.FIELDS, rows)  # as the command writes it
+    with path.open(newline="") as f:  # a plain CSV with the header first
+        assert next(csv.reader(f)) == list(ablation.FIELDS)
     read = ablation.read_rows(path)
     assert [(r["variant"], r["seed"]) for r in read] == [("recipe", 0), ("recipe", 1), ("no_ema", 0), ("no_ema", 1)]
     assert ablation.ablation_table(read) == table

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..atomic import atomic_write, atomic_write_csv
+
 # name -> the --set overrides that make it from the recipe; "recipe" is the recipe itself.
 VARIANTS: dict[str, tuple[str, ...]] = {
     "recipe": (),
@@ -80,12 +82,13 @@ def ablation_table(rows: list[dict]) -> str:
         plain = [float(r["test_top1_plain"]) for _, r in runs]
         paired = [(float(r["test_top1_tta"]) - float(base[s]["test_top1_tta"]),
                    float(r["test_top1_plain"]) - float(base[s]["test_top1_plain"])) for s, r in runs if s in base]
-        delta = (lambda i: f"{statistics.mean(p[i] for p in paired):+.4f}" if paired and variant != "recipe"
-                 else "")
+        delta = ["", ""]  # the recipe's own row, or a variant with no recipe run of its seeds
+        if paired and variant != "recipe":
+            delta = [f"{statistics.mean(p[i] for p in paired):+.4f}" for i in (0, 1)]
         lines.append(
             f"| {variant} | {' '.join(VARIANTS[variant]) or '(configs/cpu_budget.yaml)'} | "
             f"{', '.join(str(s) for s, _ in runs)} | {', '.join(f'{a:.4f}' for a in tta)} | "
-            f"{statistics.mean(tta):.4f} | {delta(0)} | {statistics.mean(plain):.4f} | {delta(1)} | "
+            f"{statistics.mean(tta):.4f} | {delta[0]} | {statistics.mean(plain):.4f} | {delta[1]} | "
             f"{statistics.mean(int(r['steps']) for _, r in runs):.0f} |")
     if base:
         gain = statistics.mean(float(r["test_top1_tta"]) - float(r["test_top1_plain"]) for r in base.values())
@@ -111,11 +114,8 @@ def main(argv=None) -> int:
             if any(r["variant"] == variant and r["seed"] == seed for r in rows):
                 continue
             rows.append(run_one(variant, seed, args))
-            with table.open("w", newline="") as f:  # rewritten whole after each run: a stop loses no row
-                writer = csv.DictWriter(f, FIELDS)
-                writer.writeheader()
-                writer.writerows(rows)
-            (args.out / "ablation.md").write_text(ablation_table(rows))
+            atomic_write_csv(table, FIELDS, rows)  # rewritten whole after each run: a stop loses no row
+            atomic_write(args.out / "ablation.md", lambda f: f.write(ablation_table(rows).encode()))
             print(f"{variant} seed {seed}: test top-1 {rows[-1]['test_top1_tta']:.4f} (TTA), "
                   f"{rows[-1]['test_top1_plain']:.4f} (plain)", flush=True)
     print(ablation_table(rows))

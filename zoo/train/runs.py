@@ -6,7 +6,6 @@ history. Reading checkpoints back (``load_run``, ``load_pretrained``) is ``zoo.m
 from __future__ import annotations
 
 import csv
-import io
 import json
 import os
 import secrets
@@ -20,7 +19,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, atomic_write_csv
 from ..models.checkpoints import load_checkpoint
 
 if TYPE_CHECKING:
@@ -61,11 +60,7 @@ class _KeepingWriter(ExperimentWriter):
         if self._resume_step is not None:
             rows = [r for r in rows if r.get("step") and int(float(r["step"])) < self._resume_step]
         self.metrics_keys = keys
-        text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic_write(path, lambda f: f.write(text.getvalue().encode()))
+        atomic_write_csv(path, keys, rows)
 
 
 class ResumableCSVLogger(CSVLogger):
