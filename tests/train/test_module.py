@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import zoo
 from zoo.models.checkpoints import load_run
 from zoo.train.module import ImageClassifier, NonFiniteLossError, WarmupCosine
+from zoo.train.optim import MuonAdamW
 from zoo.train.runs import AtomicCheckpointIO
 
 TINY = {"embed_dim": 32, "depth": 1, "num_heads": 2, "img_size": 16}
@@ -198,3 +199,24 @@ def test_a_new_run_fits_the_whitening_filters_unless_the_recipe_says_not_to(fit_
     if fit_whitening:
         expected.fit(normalize(images))
     torch.testing.assert_close(layer.weight, expected.weight)
+
+
+def test_lightning_fits_with_muon_and_its_checkpoint_restores_both_halves(tmp_path):
+    save = ModelCheckpoint(tmp_path, "last", save_top_k=0, save_last=True, enable_version_counter=False)
+    module = tiny_module(optimizer="muon", lr=2e-3, momentum=0.95)
+    trainer(tmp_path, max_steps=8, callbacks=[save], limit_val_batches=0).fit(module, datamodule=Batches(n=32))
+    optimizer = module.trainer.optimizers[0]
+    assert isinstance(optimizer, MuonAdamW)
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    on_muon = {names[id(p)] for g in optimizer.muon.param_groups for p in g["params"]}
+    assert "blocks.0.attn.qkv.weight" in on_muon and "head.weight" not in on_muon
+    assert all("momentum_buffer" in optimizer.state[p] for g in optimizer.muon.param_groups for p in g["params"])
+    assert all("exp_avg" in optimizer.state[p] for g in optimizer.adamw.param_groups for p in g["params"])
+
+    resumed = tiny_module(optimizer="muon", lr=2e-3, momentum=0.95)
+    run = trainer(tmp_path / "resumed", max_steps=8, limit_val_batches=0)
+    run.fit(resumed, datamodule=Batches(n=32), ckpt_path=tmp_path / "last.ckpt")  # already at step 8: restores only
+    again = run.optimizers[0]
+    for p, q in zip(module.model.parameters(), resumed.model.parameters(), strict=True):
+        for key, value in optimizer.state[p].items():
+            torch.testing.assert_close(again.state[q][key], value, rtol=0, atol=0)

@@ -35,7 +35,8 @@ class ImageClassifier(pl.LightningModule):
             saved as hyperparameters so a checkpoint rebuilds its model.
         warmup_frac: fraction of the optimizer steps spent in linear warm-up.
         min_lr_ratio: the decay ends at ``lr * min_lr_ratio``.
-        optimizer: "adamw" or "sgd" (Nesterov, ``momentum``); ``no_decay_lr_scale`` multiplies the rate of
+        optimizer: "adamw", "sgd" (Nesterov, ``momentum``) or "muon" (``optim.MuonAdamW``: Muon on the 2-D
+            weights but the classifier's); ``no_decay_lr_scale`` multiplies the rate of
             norms, biases and the model's ``no_weight_decay()`` parameters.
         schedule: "cosine" or "linear" decay after the warm-up.
         tta: test-time augmentation level of validation and test (``zoo.train.tta``: 0 none, 1 mirror,
@@ -131,8 +132,9 @@ class ImageClassifier(pl.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         groups = param_groups(self.model, hp.lr, hp.weight_decay, hp.no_decay_lr_scale)
+        head = self.model.get_classifier()  # timm's API, which every zoo model has: Muon leaves the head to AdamW
         optimizer = build_optimizer(hp.optimizer, groups, hp.lr, momentum=hp.momentum,
-                                    fused=self.device.type == "cuda")
+                                    fused=self.device.type == "cuda", muon_exclude={id(p) for p in head.parameters()})
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = WarmupDecay(round(total * hp.warmup_frac), total, hp.min_lr_ratio, hp.schedule)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

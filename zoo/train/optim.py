@@ -1,7 +1,8 @@
 """Optimisation pieces of a recipe: parameter groups (no weight decay and an optional learning-rate scale for
-norms, biases, position tables and class tokens, as timm and airbench split them), the optimiser (AdamW or
-SGD with Nesterov momentum), the warm-up + decay schedule fitted to the run, and the exponential moving average
-of the weights with a warm-up of its decay (airbench's Lookahead / EMA, Polyak averaging)."""
+norms, biases, position tables and class tokens, as timm and airbench split them), the optimiser (AdamW, SGD
+with Nesterov momentum, or torch's Muon on the 2-D weight matrices with AdamW on the rest), the warm-up +
+decay schedule fitted to the run, and the exponential moving average of the weights with a warm-up of its
+decay (airbench's Lookahead / EMA, Polyak averaging)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from timm.optim import param_groups_weight_decay
 from torch import nn
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
 SCHEDULES = ("cosine", "linear")
 
 
@@ -52,13 +53,65 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float, no_decay_lr_s
     return groups
 
 
+def muon_split(groups: list[dict], exclude: set[int] = frozenset()) -> tuple[list[dict], list[dict]]:
+    """``param_groups``' groups split for ``MuonAdamW``: the 2-D weights of the decayed groups (less the
+    parameters whose ``id`` is in ``exclude``, e.g. the classifier's, as Muon's authors keep heads on AdamW)
+    for Muon, everything else (conv filters, norms, biases, tables) for AdamW; group settings are kept."""
+    muon, adamw = [], []
+    for group in groups:
+        on_muon = [group["weight_decay"] > 0 and p.ndim == 2 and id(p) not in exclude for p in group["params"]]
+        to_muon = [p for p, m in zip(group["params"], on_muon, strict=True) if m]
+        rest = [p for p, m in zip(group["params"], on_muon, strict=True) if not m]
+        muon += [{**group, "params": to_muon}] if to_muon else []
+        adamw += [{**group, "params": rest}] if rest else []
+    return muon, adamw
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer over two: ``torch.optim.Muon`` (Nesterov ``momentum``, its ``"match_rms_adamw"`` rate
+    adjustment, so one ``lr`` suits both, as in Moonshot's Muon) on ``muon_groups`` (2-D matrices only) and
+    ``torch.optim.AdamW`` on ``adamw_groups``. Lightning's automatic optimisation and ``LambdaLR`` see one
+    optimizer whose ``param_groups`` are the two's (the same dicts), and ``state_dict`` / ``load_state_dict``
+    round-trip both."""
+
+    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float, *, momentum: float = 0.95,
+                 fused: bool = False):
+        self.muon = torch.optim.Muon(muon_groups, lr=lr, momentum=momentum, nesterov=True,
+                                     adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, fused=fused)
+        super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
+        self._share()
+
+    def _share(self) -> None:
+        n = len(self.muon.param_groups)
+        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
+        self.muon.state = self.adamw.state = self.state  # keyed by parameter: the two sets do not overlap
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # builds new group dicts and state: point the two at them again
+        self._share()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+
 def build_optimizer(name: str, groups: list[dict], lr: float, *, momentum: float = 0.9,
-                    fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW (torch's defaults otherwise) or SGD with Nesterov ``momentum``, over ``groups``."""
+                    fused: bool = False, muon_exclude: set[int] = frozenset()) -> torch.optim.Optimizer:
+    """AdamW (torch's defaults otherwise), SGD with Nesterov ``momentum``, or ``MuonAdamW`` (the 2-D
+    weights not in ``muon_exclude`` on Muon), over ``groups``."""
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, fused=fused)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, fused=fused)
+    if name == "muon":
+        return MuonAdamW(*muon_split(groups, muon_exclude), lr, momentum=momentum, fused=fused)
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 

@@ -167,6 +167,7 @@ class AugmentConfig:
                                              _optional(_randaugment))
     mixup_alpha: float = _field(DEFAULT_AUGMENT["mixup_alpha"], "mixup Beta(alpha, alpha); 0 = off", _number)
     cutmix_alpha: float = _field(DEFAULT_AUGMENT["cutmix_alpha"], "cutmix Beta(alpha, alpha); 0 = off", _number)
+    cutout: int = _field(DEFAULT_AUGMENT["cutout"], "side (pixels) of a zeroed square per image; 0 = off", _integer(0))
 
     def __post_init__(self):
         _validate(self, "augment.")
@@ -192,9 +193,9 @@ class Recipe:
     batch_size: int = _field(128, "training batch size per device", _integer(1))
     eval_batch_size: int | None = _field(None, "validation / test batch size (null: batch_size)",
                                          _optional(_integer(1)))
-    optimizer: str = _field("adamw", "adamw or sgd (Nesterov momentum)", _choice(OPTIMIZERS))
+    optimizer: str = _field("adamw", "adamw, sgd (Nesterov) or muon (+ AdamW off 2-D)", _choice(OPTIMIZERS))
     lr: float = _field(1e-3, "peak learning rate", _number)
-    momentum: float = _field(0.9, "SGD's Nesterov momentum", _number)
+    momentum: float = _field(0.9, "SGD's / Muon's Nesterov momentum", _number)
     weight_decay: float = _field(0.05, "weight decay (not on norms, biases, position embeddings)", _number)
     no_decay_lr_scale: float = _field(1.0, "learning-rate multiplier of norms, biases and position tables",
                                       _number)
