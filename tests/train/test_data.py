@@ -25,7 +25,7 @@ from torch.utils.data import DistributedSampler
 
 import zoo.train.data.decode
 from zoo.bench import measure_throughput
-from zoo.train.data import DataError, ImageDataModule, random_crop, random_hflip
+from zoo.train.data import DataError, ImageDataModule, cutout, random_crop, random_hflip
 
 CLASSES = ["cat", "dog", "frog"]
 CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -418,6 +418,21 @@ def test_random_hflip_equals_torch_flip():
         assert torch.equal(got[i], torch.flip(images[i], dims=[-1]) if flip[i] else images[i])
 
 
+def test_cutout_zeroes_one_square_per_image_like_slicing():
+    images = torch.rand(5, 3, 8, 10) + 1.0  # no zeros of its own
+    corners = torch.tensor([[0, 0], [5, 7], [2, 3], [0, 7], [5, 0]])  # (top, left), the square inside 8 x 10
+    got = cutout(images, 3, corners)
+    for i, (top, left) in enumerate(corners.tolist()):
+        expected = images[i].clone()
+        expected[:, top:top + 3, left:left + 3] = 0.0
+        assert torch.equal(got[i], expected)
+    drawn = cutout(images, 4)
+    assert ((drawn == 0).sum(dim=(1, 2, 3)) == 3 * 4 * 4).all()  # each image loses exactly its square
+    assert cutout(images, 0) is images
+    with pytest.raises(ValueError, match="augment cutout 9 is larger than the 8x10 images; use at most 8"):
+        cutout(images, 9)
+
+
 @pytest.fixture
 def small_dm(tmp_path):
     write_imagefolder(tmp_path / "data", per_class=6)
@@ -479,6 +494,7 @@ def test_default_augment_keeps_int_labels(small_dm):
     ({"augment": {"blur": 1}}, r"unknown augment keys \['blur'\]"),
     ({"augment": {"randaugment": {"ops": 2}}}, r"unknown randaugment keys \['ops'\]"),
     ({"augment": {"crop_padding": -1}}, "crop_padding must be an int >= 0, got -1"),
+    ({"augment": {"cutout": 1.5}}, r"cutout must be an int >= 0 \(the square's side in pixels\), got 1.5"),
     ({"img_size": 0}, "img_size must be an int >= 1, got 0"),
     ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
     ({"device_cache": "nonsense"}, "device_cache must be 'auto' or a device, got 'nonsense'"),

@@ -6,10 +6,11 @@ turns the files into uint8 tensors; ``cache`` keeps them in one checksummed file
 ``DEFAULT_AUGMENT`` without importing Lightning). It imports torch, torchvision, Lightning and ``zoo.atomic``
 only: never the models, ``zoo.explain`` or ``zoo.bench`` (which measures this pipeline from outside)."""
 
-from .augment import DEFAULT_AUGMENT, random_crop, random_hflip
+from .augment import DEFAULT_AUGMENT, cutout, random_crop, random_hflip
 from .layout import DataError, data_class_names
 
-__all__ = ["DEFAULT_AUGMENT", "DataError", "ImageDataModule", "data_class_names", "random_crop", "random_hflip"]
+__all__ = ["DEFAULT_AUGMENT", "DataError", "ImageDataModule", "cutout", "data_class_names", "random_crop",
+           "random_hflip"]
 
 
 def __getattr__(name: str):

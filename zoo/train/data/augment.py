@@ -2,7 +2,9 @@
 (vectorised over the batch, no loop over images), optional RandAugment (Cubuk et al. 2019,
 https://arxiv.org/abs/1909.13719, one draw of ops per batch, on uint8), then mixup (Zhang et al. 2017,
 https://arxiv.org/abs/1710.09412) and cutmix (Yun et al. 2019, https://arxiv.org/abs/1905.04899) on the
-normalised float batch, which turn the labels into (B, num_classes) float probabilities. With
+normalised float batch (after cutout, DeVries & Taylor 2017, https://arxiv.org/abs/1708.04552: a zeroed
+square per image, as airbench96 uses for its longer runs), which turn the labels into (B, num_classes) float
+probabilities. With
 ``alternating_flip`` (airbench) the dataset mirrors each image in alternate epochs from a seeded random start
 (``AlternatingFlip``) instead of a fresh coin per batch, so every image is seen both ways every two epochs.
 ``DEFAULT_AUGMENT`` is the one definition of the augmentation settings and their defaults (the recipes read it too)."""
@@ -16,7 +18,7 @@ from torchvision.transforms import v2
 
 DEFAULT_AUGMENT = {
     "crop_padding": 4, "hflip": True, "alternating_flip": False, "randaugment": None, "mixup_alpha": 0.0,
-    "cutmix_alpha": 0.0,
+    "cutmix_alpha": 0.0, "cutout": 0,
 }
 RANDAUGMENT_DEFAULTS = {"num_ops": 2, "magnitude": 9}
 
@@ -46,6 +48,25 @@ def random_hflip(images: torch.Tensor, flip: torch.Tensor | None = None) -> torc
     return torch.where(flip[:, None, None, None], images.flip(-1), images)
 
 
+def cutout(images: torch.Tensor, size: int, corners: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero a ``size`` x ``size`` square of each (B, C, H, W) image (0 is the mean of normalised images).
+
+    ``corners`` (B, 2) int64 (top, left) in [0, H - size] x [0, W - size], so the square lies inside the
+    image; drawn uniformly when None. Vectorised: one (B, H, W) mask, no loop over images."""
+    b, _, h, w = images.shape
+    if size == 0:
+        return images
+    if size > min(h, w):
+        raise ValueError(f"augment cutout {size} is larger than the {h}x{w} images; use at most {min(h, w)}")
+    if corners is None:
+        corners = torch.stack([torch.randint(0, h - size + 1, (b,), device=images.device),
+                               torch.randint(0, w - size + 1, (b,), device=images.device)], dim=1)
+    rows = torch.arange(h, device=images.device) - corners[:, :1]  # (B, H): offset from the square's top
+    cols = torch.arange(w, device=images.device) - corners[:, 1:]  # (B, W)
+    inside = ((rows >= 0) & (rows < size))[:, :, None] & ((cols >= 0) & (cols < size))[:, None, :]
+    return images.masked_fill(inside[:, None], 0.0)
+
+
 def randaugment_args(spec: dict | bool | None) -> dict | None:
     """RandAugment's keyword arguments for an ``augment["randaugment"]`` value (None / False: off, True: the
     defaults, a dict: overrides of ``RANDAUGMENT_DEFAULTS``)."""
@@ -68,6 +89,9 @@ def augment_config(augment: dict | None) -> dict:
     config = {**DEFAULT_AUGMENT, **(augment or {})}
     if not isinstance(config["crop_padding"], int) or config["crop_padding"] < 0:
         raise ValueError(f"augment crop_padding must be an int >= 0, got {config['crop_padding']!r}")
+    if not isinstance(config["cutout"], int) or isinstance(config["cutout"], bool) or config["cutout"] < 0:
+        raise ValueError(f"augment cutout must be an int >= 0 (the square's side in pixels), got "
+                         f"{config['cutout']!r}")
     for key in ("mixup_alpha", "cutmix_alpha"):
         if not isinstance(config[key], (int, float)) or config[key] < 0:
             raise ValueError(f"augment {key} must be a number >= 0, got {config[key]!r}")
@@ -99,7 +123,8 @@ class AlternatingFlip:
 
 
 class BatchAugment:
-    """The training transform of a uint8 batch: crop, flip, RandAugment (uint8), normalise, mixup/cutmix.
+    """The training transform of a uint8 batch: crop, flip, RandAugment (uint8), normalise, cutout,
+    mixup/cutmix.
 
     Args:
         augment: settings overriding ``DEFAULT_AUGMENT`` (checked by ``augment_config``).
@@ -123,7 +148,7 @@ class BatchAugment:
             images = random_hflip(images)
         if self.randaugment is not None:
             images = self.randaugment(images)
-        images = normalize(images)
+        images = cutout(normalize(images), self.config["cutout"])
         if self.mix is not None:
             images, labels = self.mix(images, labels)
         return images, labels
