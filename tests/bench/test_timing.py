@@ -111,3 +111,17 @@ def test_peak_memory_sees_a_known_allocation():
         pytest.skip("no /proc/self/clear_refs on this system: peak_memory cannot measure the CPU")
     size = 64 * 2**20
     assert 0.9 * size <= int(peak) <= size + 48 * 2**20, int(peak) / 2**20
+
+
+def test_tensor_peak_memory_follows_allocations_and_frees():
+    def fn():
+        a = torch.empty(1024, 1024)  # 4 MiB
+        b = torch.empty(2048, 1024)  # + 8 MiB: 12 held
+        del a                        # 8 held
+        c = torch.empty(512, 1024)   # 10 held: the peak stays 12
+        return b, c
+
+    assert bench.tensor_peak_memory(fn, torch.device("cpu")) == 12 * 2**20
+    x = torch.randn(256, 256)
+    # a matmul's (256, 256) fp32 output, 256 KiB, under torch's own kernels (2 threads)
+    assert bench.tensor_peak_memory(lambda: x @ x, torch.device("cpu")) == 256 * 256 * 4

@@ -17,9 +17,11 @@ from .timing import (
     median_seconds,
     peak_memory,
     synchronize,
+    tensor_peak_memory,
 )
 
 __all__ = [
     "PRECISIONS", "autocast_for", "benchmark_model", "interleaved_medians", "measure_inference",
     "measure_latency", "measure_throughput", "measure_training", "median_seconds", "peak_memory", "synchronize",
+    "tensor_peak_memory",
 ]

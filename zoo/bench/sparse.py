@@ -13,9 +13,9 @@ sliding-window mask, as
   attention's own share, and no candidate can use less memory than it,
 
 forward ("fwd", under no_grad) and forward + backward ("fwd+bwd"), time (interleaved medians) and peak memory
-(a fresh subprocess, as ``suite.attention_peak_memory_mb``), plus flex's compile time (its first call minus a
-steady one; about 0 where an earlier row at the same shape compiled it). ``sparse_claims`` reads the
-issue's goals off the rows.
+(the tensors' peak, read from the allocator's events: ``timing.tensor_peak_memory``), plus flex's compile
+time (its first call minus a steady one; about 0 where an earlier row at the same shape compiled it).
+``sparse_claims`` reads the issue's goals off the rows.
 
 Run: ``python -m zoo.bench.sparse --out DIR`` (``--quick`` for a smoke run of small sizes); ~10 minutes on
 2 CPU cores with the defaults. Writes ``DIR/sparse.json`` and ``DIR/sparse.md``.
@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +33,7 @@ from einops import rearrange
 
 from ..layers.attention import MultiHeadAttention
 from ..layers.masks import spec
-from .timing import interleaved_medians, synchronize
+from .timing import interleaved_medians, synchronize, tensor_peak_memory
 
 DIM, HEADS = 192, 3
 NS = (1024, 2048, 4096, 8192, 16384)
@@ -109,30 +106,16 @@ def time_rows(ns=NS, windows=WINDOWS, modes=("fwd", "fwd+bwd"), *, dense_max_n: 
     return rows
 
 
-_MEMORY_SCRIPT = """
-import json, sys, torch
-from zoo.bench.sparse import _call
-from zoo.bench.timing import peak_memory
-device, out = torch.device(sys.argv[1]), []
-for name, n, window, mode in json.loads(sys.argv[2]):
-    step = _call(name, n, window, mode, device)
-    step()  # load kernels (and compile flex) before measuring
-    out.append(peak_memory(step, device) / 2**20)
-print(json.dumps(out))
-"""
-
-
 def memory_rows(rows: list[dict], device=None) -> list[dict]:
-    """Adds ``<candidate>_mb`` (peak memory growth of one call, MiB) to every timing row, measured in one fresh
-    subprocess with glibc's mmap threshold pinned (so freed large blocks go back to the OS and each peak is the
-    call's own: see ``suite.attention_peak_memory_mb``)."""
+    """Adds ``<candidate>_mb`` (the peak tensor memory one call holds, MiB: ``timing.tensor_peak_memory``,
+    allocator-exact on the CPU too) to every timing row, each call run once before it is measured (kernels
+    loaded, flex compiled)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    jobs = [(k[:-3], r["n"], r["window"], r["mode"]) for r in rows for k in list(r) if k.endswith("_ms")]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    done = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(device), json.dumps(jobs)],
-                          capture_output=True, text=True, check=True, env=env)
-    for (name, n, window, mode), mb in zip(jobs, json.loads(done.stdout.strip().splitlines()[-1]), strict=True):
-        next(r for r in rows if (r["n"], r["window"], r["mode"]) == (n, window, mode))[f"{name}_mb"] = mb
+    for row in rows:
+        for name in [k[:-3] for k in list(row) if k.endswith("_ms")]:
+            step = _call(name, row["n"], row["window"], row["mode"], device)
+            step()
+            row[f"{name}_mb"] = tensor_peak_memory(step, device) / 2**20
     return rows
 
 
@@ -227,7 +210,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="bench_sparse", help="folder for sparse.json and sparse.md")
     p.add_argument("--quick", action="store_true", help="small sizes, one repeat: a smoke run")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
-    p.add_argument("--no-memory", action="store_true", help="timings only (no memory subprocess)")
+    p.add_argument("--no-memory", action="store_true", help="timings only (no memory pass)")
     args = p.parse_args(argv)
     results = run(args.out, quick=args.quick, device=args.device, memory=not args.no_memory)
     print(_table(results["claims"]))

@@ -128,17 +128,43 @@ def _proc_status_kb(key: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(key))
 
 
+def _cuda_peak(fn: Callable[[], object], device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def tensor_peak_memory(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes of tensor memory that running ``fn()`` holds above what was held before it: on CUDA the
+    caching allocator's peak; on the CPU, whose allocator keeps no statistics, the running sum of the
+    profiler's allocation and free events, in time order. Unlike ``peak_memory``'s resident set it leaves out
+    allocator slack and Python objects, so small peaks are exact rather than lost in the noise of the heap."""
+    if device.type == "cuda":
+        return _cuda_peak(fn, device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cpu = torch.autograd.DeviceType.CPU
+    # kineto's raw events hold every allocation (+bytes) and free (-bytes); prof.events() folds allocations
+    # into the ops that made them, losing their order
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == cpu)
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
 def peak_memory(fn: Callable[[], object], device: torch.device) -> int | None:
     """Peak memory in bytes that running ``fn()`` adds: on CUDA the allocator's peak; on a Linux CPU the
     growth of the peak resident set (reset through /proc/self/clear_refs first); None where neither exists
-    (``fn`` is then not run). CPU figures include allocator slack (glibc keeps freed blocks)."""
+    (``fn`` is then not run). CPU figures include allocator slack (glibc keeps freed blocks): see
+    ``tensor_peak_memory`` for tensors alone."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
+        return _cuda_peak(fn, device)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM (the peak RSS) to the current RSS
