@@ -28,9 +28,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "no_whitening": ("fit_whitening=false",),
     "random_flip": ("augment.alternating_flip=false",),
     "no_label_smoothing": ("label_smoothing=0",),
-    "sgd_nesterov": ("optimizer=sgd", "lr=0.1", "weight_decay=5e-4"),
-    "lr_split": ("no_decay_lr_scale=4",),
-    "muon": ("optimizer=muon", "momentum=0.95"),
+    "adamw": ("optimizer=adamw",),
+    "sgd_nesterov": ("optimizer=sgd", "lr=0.1", "weight_decay=5e-4", "momentum=0.9"),
+    "no_lr_split": ("no_decay_lr_scale=1",),
 }
 FIELDS = ("variant", "seed", "run_dir", "steps", "train_images_per_s", "best_val_top1", "test_top1_tta",
           "test_top1_plain")
