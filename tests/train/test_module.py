@@ -201,19 +201,21 @@ def test_a_new_run_fits_the_whitening_filters_unless_the_recipe_says_not_to(fit_
     torch.testing.assert_close(layer.weight, expected.weight)
 
 
-def test_lightning_fits_with_muon_and_its_checkpoint_restores_both_halves(tmp_path):
+@pytest.mark.parametrize("name", ["muon", "muon_conv"])
+def test_lightning_fits_with_muon_and_its_checkpoint_restores_both_halves(tmp_path, name):
     save = ModelCheckpoint(tmp_path, "last", save_top_k=0, save_last=True, enable_version_counter=False)
-    module = tiny_module(optimizer="muon", lr=2e-3, momentum=0.95)
+    module = tiny_module(optimizer=name, lr=2e-3, momentum=0.95, channels_last=True)
     trainer(tmp_path, max_steps=8, callbacks=[save], limit_val_batches=0).fit(module, datamodule=Batches(n=32))
     optimizer = module.trainer.optimizers[0]
     assert isinstance(optimizer, MuonAdamW)
     names = {id(p): n for n, p in module.model.named_parameters()}
     on_muon = {names[id(p)] for g in optimizer.muon.param_groups for p in g["params"]}
     assert "blocks.0.attn.qkv.weight" in on_muon and "head.weight" not in on_muon
+    assert ("patch_embed.proj.weight" in on_muon) == (name == "muon_conv")  # the one conv filter
     assert all("momentum_buffer" in optimizer.state[p] for g in optimizer.muon.param_groups for p in g["params"])
     assert all("exp_avg" in optimizer.state[p] for g in optimizer.adamw.param_groups for p in g["params"])
 
-    resumed = tiny_module(optimizer="muon", lr=2e-3, momentum=0.95)
+    resumed = tiny_module(optimizer=name, lr=2e-3, momentum=0.95, channels_last=True)
     run = trainer(tmp_path / "resumed", max_steps=8, limit_val_batches=0)
     run.fit(resumed, datamodule=Batches(n=32), ckpt_path=tmp_path / "last.ckpt")  # already at step 8: restores only
     again = run.optimizers[0]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import zoo
-from zoo.train.optim import MuonAdamW, build_optimizer, muon_split, param_groups
+from zoo.train.optim import FilterMuon, MuonAdamW, build_optimizer, muon_split, param_groups
 
 
 def _model():
@@ -48,6 +48,57 @@ def test_split_puts_decayed_matrices_but_the_head_on_muon():
     assert {names[i] for i in on_muon} == expected and "blocks.0.attn.qkv.weight" in expected
     assert sum(len(g["params"]) for g in muon + adamw) == len(list(model.parameters()))
     assert all(g["weight_decay"] == 0.05 for g in muon)
+
+
+def test_split_with_filters_adds_the_conv_filters():
+    model = _model()
+    head = {id(p) for p in model.get_classifier().parameters()}
+    groups = param_groups(model, 2e-3, 0.05)
+    matrices = {id(p) for g in muon_split(groups, head)[0] for p in g["params"]}
+    muon, adamw = muon_split(groups, head, filters=True)
+    on_muon = {id(p) for g in muon for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    filters = {n for n, p in model.named_parameters() if p.ndim == 4}
+    assert {names[i] for i in on_muon - matrices} == filters and "stem.3.0.weight" in filters
+    assert matrices < on_muon and sum(len(g["params"]) for g in muon + adamw) == len(list(model.parameters()))
+
+
+def _filter_steps(weight, seeds, **kwargs):
+    optimizer = FilterMuon([{"params": [weight], "weight_decay": 0.05}], lr=0.02, **kwargs)
+    for seed in seeds:
+        weight.grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed))
+        optimizer.step()
+    return optimizer
+
+
+def test_filter_muon_is_torch_muon_on_the_flattened_filter():
+    torch.manual_seed(2)
+    start = torch.randn(16, 8, 3, 3)
+    weight = torch.nn.Parameter(start.clone())
+    _filter_steps(weight, range(3))
+    # reference: torch's Muon on the (16, 72) matrix, fed the same gradients flattened
+    matrix = torch.nn.Parameter(start.reshape(16, -1).clone())
+    muon = torch.optim.Muon([matrix], lr=0.02, weight_decay=0.05, momentum=0.95, nesterov=True,
+                            adjust_lr_fn="match_rms_adamw")
+    for seed in range(3):
+        matrix.grad = torch.randn(start.shape, generator=torch.Generator().manual_seed(seed)).reshape(16, -1)
+        muon.step()
+    torch.testing.assert_close(weight.detach(), matrix.detach().reshape(start.shape), rtol=0, atol=0)
+    assert not torch.equal(weight.detach(), start)
+
+
+def test_filter_muon_channels_last_matches_contiguous():
+    torch.manual_seed(3)
+    start = torch.randn(16, 8, 3, 3)
+    plain = torch.nn.Parameter(start.clone())
+    last = torch.nn.Parameter(start.clone().to(memory_format=torch.channels_last))
+    _filter_steps(plain, range(3))
+    optimizer = _filter_steps(last, range(3))
+    assert last.is_contiguous(memory_format=torch.channels_last)  # updated in place, layout kept
+    assert optimizer.state[last]["momentum_buffer"].shape == (16, 72)
+    # the columns come in another order, so the bf16 Newton-Schulz sums differ in rounding only
+    torch.testing.assert_close(last.detach(), plain.detach(), rtol=0, atol=2e-3)
+    assert (last.detach() - start).abs().max() > 0.01
 
 
 def test_steps_equal_torch_muon_and_adamw_run_separately():

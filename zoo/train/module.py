@@ -35,9 +35,9 @@ class ImageClassifier(pl.LightningModule):
             saved as hyperparameters so a checkpoint rebuilds its model.
         warmup_frac: fraction of the optimizer steps spent in linear warm-up.
         min_lr_ratio: the decay ends at ``lr * min_lr_ratio``.
-        optimizer: "adamw", "sgd" (Nesterov, ``momentum``) or "muon" (``optim.MuonAdamW``: Muon on the 2-D
-            weights but the classifier's); ``no_decay_lr_scale`` multiplies the rate of
-            norms, biases and the model's ``no_weight_decay()`` parameters.
+        optimizer: "adamw", "sgd" (Nesterov, ``momentum``), "muon" (``optim.MuonAdamW``: Muon on the 2-D
+            weights but the classifier's) or "muon_conv" (and on the conv filters); ``no_decay_lr_scale``
+            multiplies the rate of norms, biases and the model's ``no_weight_decay()`` parameters.
         schedule: "cosine" or "linear" decay after the warm-up.
         tta: test-time augmentation level of validation and test (``zoo.train.tta``: 0 none, 1 mirror,
             2 mirror + 1-pixel translations).

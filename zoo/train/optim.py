@@ -1,6 +1,7 @@
 """Optimisation pieces of a recipe: parameter groups (no weight decay and an optional learning-rate scale for
 norms, biases, position tables and class tokens, as timm and airbench split them), the optimiser (AdamW, SGD
-with Nesterov momentum, or torch's Muon on the 2-D weight matrices with AdamW on the rest), the warm-up +
+with Nesterov momentum, or torch's Muon on the 2-D weight matrices, and with ``muon_conv`` on the conv filters
+too, with AdamW on the rest), the warm-up +
 decay schedule fitted to the run, and the exponential moving average of the weights with a warm-up of its
 decay (airbench's Lookahead / EMA, Polyak averaging)."""
 
@@ -12,7 +13,7 @@ import torch
 from timm.optim import param_groups_weight_decay
 from torch import nn
 
-OPTIMIZERS = ("adamw", "sgd", "muon")
+OPTIMIZERS = ("adamw", "sgd", "muon", "muon_conv")
 SCHEDULES = ("cosine", "linear")
 
 
@@ -53,13 +54,16 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float, no_decay_lr_s
     return groups
 
 
-def muon_split(groups: list[dict], exclude: set[int] = frozenset()) -> tuple[list[dict], list[dict]]:
-    """``param_groups``' groups split for ``MuonAdamW``: the 2-D weights of the decayed groups (less the
-    parameters whose ``id`` is in ``exclude``, e.g. the classifier's, as Muon's authors keep heads on AdamW)
-    for Muon, everything else (conv filters, norms, biases, tables) for AdamW; group settings are kept."""
+def muon_split(groups: list[dict], exclude: set[int] = frozenset(), *, filters: bool = False
+               ) -> tuple[list[dict], list[dict]]:
+    """``param_groups``' groups split for ``MuonAdamW``: the 2-D weights of the decayed groups (with ``filters``
+    the conv filters, and any other weight of more dimensions, too), less the parameters whose ``id`` is in
+    ``exclude`` (e.g. the classifier's, as Muon's authors keep heads on AdamW), for Muon; everything else
+    (norms, biases, tables; conv filters without ``filters``) for AdamW; group settings are kept."""
     muon, adamw = [], []
     for group in groups:
-        on_muon = [group["weight_decay"] > 0 and p.ndim == 2 and id(p) not in exclude for p in group["params"]]
+        on_muon = [group["weight_decay"] > 0 and (p.ndim == 2 or (filters and p.ndim > 2)) and id(p) not in exclude
+                   for p in group["params"]]
         to_muon = [p for p, m in zip(group["params"], on_muon, strict=True) if m]
         rest = [p for p, m in zip(group["params"], on_muon, strict=True) if not m]
         muon += [{**group, "params": to_muon}] if to_muon else []
@@ -67,17 +71,49 @@ def muon_split(groups: list[dict], exclude: set[int] = frozenset()) -> tuple[lis
     return muon, adamw
 
 
+def _matrix(tensor: torch.Tensor, like: torch.Tensor, view: bool) -> torch.Tensor:
+    """``tensor`` (shaped as the parameter ``like``) as the matrix (shape[0], the rest), read in ``like``'s memory
+    order: a channels_last filter as (out, kH * kW * in), so the parameter's matrix is a view of it. Muon's
+    iteration does not mind the column order: it commutes with any permutation of the columns."""
+    if like.ndim == 4 and not like.is_contiguous() and like.is_contiguous(memory_format=torch.channels_last):
+        tensor = tensor.permute(0, 2, 3, 1)
+    return tensor.view(tensor.shape[0], -1) if view else tensor.reshape(tensor.shape[0], -1)
+
+
+class FilterMuon(torch.optim.Muon):
+    """torch's Muon on parameters of two or more dimensions, each updated as the matrix (shape[0], the rest):
+    Keller Jordan's rule for conv filters (airbench's Muon). 2-D parameters get exactly torch's Muon; the
+    momentum buffer of a filter is kept as its matrix."""
+
+    def __init__(self, params, lr: float, *, momentum: float = 0.95):
+        # torch's Muon checks its settings, then refuses tensors that are not 2-D: take the checked defaults
+        defaults = torch.optim.Muon([torch.zeros(1, 1)], lr=lr, momentum=momentum, nesterov=True,
+                                    adjust_lr_fn="match_rms_adamw").defaults
+        torch.optim.Optimizer.__init__(self, params, defaults)
+
+    def _init_group(self, group, params_with_grad, grads, muon_momentum_bufs) -> bool:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            params_with_grad.append(_matrix(p, p, view=True))  # in-place updates of the view reach p
+            grads.append(_matrix(p.grad, p, view=False))
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(params_with_grad[-1], memory_format=torch.contiguous_format)
+            muon_momentum_bufs.append(state["momentum_buffer"])
+        return False  # no complex parameters
+
+
 class MuonAdamW(torch.optim.Optimizer):
-    """One optimizer over two: ``torch.optim.Muon`` (Nesterov ``momentum``, its ``"match_rms_adamw"`` rate
-    adjustment, so one ``lr`` suits both, as in Moonshot's Muon) on ``muon_groups`` (2-D matrices only) and
+    """One optimizer over two: ``FilterMuon`` (torch's Muon: Nesterov ``momentum``, its ``"match_rms_adamw"`` rate
+    adjustment, so one ``lr`` suits both, as in Moonshot's Muon) on ``muon_groups`` (matrices and filters) and
     ``torch.optim.AdamW`` on ``adamw_groups``. Lightning's automatic optimisation and ``LambdaLR`` see one
     optimizer whose ``param_groups`` are the two's (the same dicts), and ``state_dict`` / ``load_state_dict``
     round-trip both."""
 
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float, *, momentum: float = 0.95,
                  fused: bool = False):
-        self.muon = torch.optim.Muon(muon_groups, lr=lr, momentum=momentum, nesterov=True,
-                                     adjust_lr_fn="match_rms_adamw")
+        self.muon = FilterMuon(muon_groups, lr=lr, momentum=momentum)
         self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, fused=fused)
         super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
         self._share()
@@ -105,13 +141,14 @@ class MuonAdamW(torch.optim.Optimizer):
 def build_optimizer(name: str, groups: list[dict], lr: float, *, momentum: float = 0.9,
                     fused: bool = False, muon_exclude: set[int] = frozenset()) -> torch.optim.Optimizer:
     """AdamW (torch's defaults otherwise), SGD with Nesterov ``momentum``, or ``MuonAdamW`` (the 2-D
-    weights not in ``muon_exclude`` on Muon), over ``groups``."""
+    weights not in ``muon_exclude`` on Muon; ``muon_conv``: the conv filters too), over ``groups``."""
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, fused=fused)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, fused=fused)
-    if name == "muon":
-        return MuonAdamW(*muon_split(groups, muon_exclude), lr, momentum=momentum, fused=fused)
+    if name in ("muon", "muon_conv"):
+        split = muon_split(groups, muon_exclude, filters=name == "muon_conv")
+        return MuonAdamW(*split, lr, momentum=momentum, fused=fused)
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 

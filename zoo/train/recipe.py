@@ -193,7 +193,7 @@ class Recipe:
     batch_size: int = _field(128, "training batch size per device", _integer(1))
     eval_batch_size: int | None = _field(None, "validation / test batch size (null: batch_size)",
                                          _optional(_integer(1)))
-    optimizer: str = _field("adamw", "adamw, sgd (Nesterov) or muon (+ AdamW off 2-D)", _choice(OPTIMIZERS))
+    optimizer: str = _field("adamw", "adamw, sgd, muon (2-D; AdamW on the rest), muon_conv", _choice(OPTIMIZERS))
     lr: float = _field(1e-3, "peak learning rate", _number)
     momentum: float = _field(0.9, "SGD's / Muon's Nesterov momentum", _number)
     weight_decay: float = _field(0.05, "weight decay (not on norms, biases, position embeddings)", _number)
