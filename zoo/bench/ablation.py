@@ -29,7 +29,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "random_flip": ("augment.alternating_flip=false",),
     "no_label_smoothing": ("label_smoothing=0",),
     "adamw": ("optimizer=adamw",),
-    "muon_conv": ("optimizer=muon_conv",),
+    "muon_matrices": ("optimizer=muon",),
     "sgd_nesterov": ("optimizer=sgd", "lr=0.1", "weight_decay=5e-4", "momentum=0.9"),
     "no_lr_split": ("no_decay_lr_scale=1",),
 }

@@ -1,9 +1,8 @@
 """Optimisation pieces of a recipe: parameter groups (no weight decay and an optional learning-rate scale for
 norms, biases, position tables and class tokens, as timm and airbench split them), the optimiser (AdamW, SGD
-with Nesterov momentum, or torch's Muon on the 2-D weight matrices, and with ``muon_conv`` on the conv filters
-too, with AdamW on the rest), the warm-up +
-decay schedule fitted to the run, and the exponential moving average of the weights with a warm-up of its
-decay (airbench's Lookahead / EMA, Polyak averaging)."""
+with Nesterov momentum, or torch's Muon on the 2-D weight matrices, with ``muon_conv`` on the conv filters
+too, and AdamW on the rest), the warm-up + decay schedule fitted to the run, and the exponential moving
+average of the weights with a warm-up of its decay (airbench's Lookahead / EMA, Polyak averaging)."""
 
 from __future__ import annotations
 
