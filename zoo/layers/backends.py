@@ -80,6 +80,8 @@ class Masking:
             row_ok = allowed.any(dim=-1, keepdim=True)
             return allowed | ~row_ok, row_ok
         additive = additive.to(dtype)
+        if allowed is None and self.mask is None:  # only the (finite) relative bias: no row can be fully masked
+            return additive, None
         if allowed is not None:
             additive = additive.masked_fill(~allowed, float("-inf"))
         row_ok = (additive != float("-inf")).any(dim=-1, keepdim=True)
