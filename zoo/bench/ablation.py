@@ -32,6 +32,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "muon_matrices": ("optimizer=muon",),
     "sgd_nesterov": ("optimizer=sgd", "lr=0.1", "weight_decay=5e-4", "momentum=0.9"),
     "no_lr_split": ("no_decay_lr_scale=1",),
+    "eager": ("compile=false",),
 }
 FIELDS = ("variant", "seed", "run_dir", "steps", "train_images_per_s", "best_val_top1", "test_top1_tta",
           "test_top1_plain")

@@ -1,9 +1,9 @@
 """Training throughput of each model under each way to run it on this machine: fp32, fp32 channels_last,
 bf16 autocast with channels_last ("bf16-mixed"), the model cast to bf16 ("bf16-true"), and torch.compile'd
-fp32 (by default; compiled channels_last fp32 and bf16-mixed on request), with the compile time paid once,
-measured apart. Candidates of one model are interleaved repeat by
-repeat (``interleaved_medians``), so their ratios are side by side; each step is a forward, cross-entropy,
-backward and AdamW step at ``batch``, on random images.
+fp32 (by default; compiled channels_last fp32 and bf16-mixed, and the regionally compiled ones of
+``zoo.models.compile_regions``, on request), with the compile time paid once, measured apart. Candidates of one
+model are interleaved repeat by repeat (``interleaved_medians``), so their ratios are side by side; each step is a
+forward, cross-entropy, backward and AdamW step at ``batch``, on random images.
 
     python -m zoo.bench.modes --models hybrid_tiny vit_tiny --out modes.json
     python -m zoo.bench.modes --models resnet18_cbam --modes fp32_channels_last bf16_mixed_channels_last
@@ -21,12 +21,13 @@ import torch
 from timm.layers import to_2tuple
 from torch import nn
 
-from ..models import create_model
+from ..models import compile_regions, create_model
 from ..train.device import cpu_has_native_bf16, machine_name
 from .timing import interleaved_medians, measure_inference, training_step
 
 MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled",
-         "fp32_compiled_channels_last", "bf16_mixed_compiled_channels_last")
+         "fp32_compiled_channels_last", "bf16_mixed_compiled_channels_last", "fp32_regions_channels_last",
+         "bf16_mixed_regions_channels_last")
 DEFAULT_MODES = MODES[:5]
 
 
@@ -36,8 +37,8 @@ def _img_size(model: nn.Module) -> tuple[int, int]:
 
 def mode_steps(name: str, batch: int, modes=DEFAULT_MODES) -> tuple[dict[str, Callable[[], None]], dict[str, float]]:
     """One training-step closure per mode (each on its own copy of the model; a mode is its name's parts:
-    fp32 / bf16_mixed / bf16_true, compiled, channels_last), and {compiled mode: seconds its first step took}
-    (the compile time)."""
+    fp32 / bf16_mixed / bf16_true, compiled or regions, channels_last), and {compiled mode: seconds its first
+    step took} (the compile time)."""
     base = create_model(name).train()
     shape = (3, *_img_size(base))
     steps, compile_s = {}, {}
@@ -50,10 +51,12 @@ def mode_steps(name: str, batch: int, modes=DEFAULT_MODES) -> tuple[dict[str, Ca
         model = model.to(dtype=dtype, memory_format=memory_format)
         if "compiled" in mode:
             model = torch.compile(model)
+        if "regions" in mode:
+            compile_regions(model)
         steps[mode] = training_step(model, shape, batch, num_classes=base.num_classes, dtype=dtype,
                                     memory_format=memory_format,
                                     precision="bf16-mixed" if mode.startswith("bf16_mixed") else "32")
-        if "compiled" in mode:
+        if "compiled" in mode or "regions" in mode:
             start = time.perf_counter()
             steps[mode]()
             compile_s[mode] = time.perf_counter() - start

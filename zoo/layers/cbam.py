@@ -39,6 +39,14 @@ def _check_image(x, channels: int | None = None) -> None:
                          f"got {tuple(x.shape)} ({x.shape[1]} channels)")
 
 
+def _channel_max(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, 1, H, W) maximum over channels, through ``max``'s indices rather than ``amax``: their
+    backward routes the gradient to the selected element instead of comparing the input with the maximum again.
+    Under torch.compile with bf16 autocast that comparison can find no equal element (the input recomputed at
+    another precision than the saved maximum) and divide by zero: NaN gradients (torch 2.14, CPU inductor)."""
+    return x.max(dim=1, keepdim=True).values
+
+
 class ChannelAttention(nn.Module):
     """Channel gate: ``x * sigmoid(mlp(avgpool(x)) + mlp(maxpool(x)))`` with one shared MLP
     ``fc1`` (1x1 conv channels -> hidden), ReLU, ``fc2`` (hidden -> channels), no biases, and
@@ -77,7 +85,7 @@ class SpatialAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_image(x)
-        maps = torch.cat([x.mean(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)], dim=1)  # (B, 2, H, W)
+        maps = torch.cat([x.mean(dim=1, keepdim=True), _channel_max(x)], dim=1)  # (B, 2, H, W)
         gate = torch.sigmoid(self.conv(maps))  # (B, 1, H, W)
         if self.gate_hook is not None:
             self.gate_hook(gate)

@@ -21,6 +21,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _compile_mode(value: str) -> bool | str:
+    if value != "regions":
+        raise argparse.ArgumentTypeError(f"--compile takes no value or 'regions', got {value!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from zoo.train.recipe import recipe_help
 
@@ -46,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", help="number of devices, -1 (all), a device list like 0,1, or auto")
     p.add_argument("--strategy", help="auto, ddp, ...")
     p.add_argument("--num-nodes", type=int, help="machines in a multi-node run")
-    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    p.add_argument("--compile", nargs="?", const=True, type=_compile_mode, metavar="regions",
+                   help="torch.compile the whole model, or with 'regions' each CBAM and transformer block")
     p.add_argument("--channels-last", action="store_true", default=None,
                    help="channels-last memory format (automatic for the conv models resnet* and hybrid*)")
     p.add_argument("--max-time", help="wall-clock budget DD:HH:MM:SS, above zero; the LR schedule is fitted to it")

@@ -13,7 +13,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..layers.whitening import PatchWhitening
-from ..models import create_model
+from ..models import compile_regions, create_model
 from .optim import WarmupCosine, WarmupDecay, build_optimizer, param_groups
 from .tta import tta_logits
 
@@ -39,6 +39,8 @@ class ImageClassifier(pl.LightningModule):
             weights but the classifier's) or "muon_conv" (and on the conv filters); ``no_decay_lr_scale``
             multiplies the rate of norms, biases and the model's ``no_weight_decay()`` parameters.
         schedule: "cosine" or "linear" decay after the warm-up.
+        compile: True compiles the whole model (``Module.compile``), "regions" each CBAM and transformer block
+            (``zoo.models.compile_regions``: seconds to compile, the convolutions stay eager).
         tta: test-time augmentation level of validation and test (``zoo.train.tta``: 0 none, 1 mirror,
             2 mirror + 1-pixel translations).
         nan_check_every: steps between host-side checks of the non-finite-loss flag (every checkpoint
@@ -48,7 +50,7 @@ class ImageClassifier(pl.LightningModule):
     def __init__(self, model_name: str, model_args: dict | None = None, *, num_classes: int = 10,
                  lr: float = 1e-3, weight_decay: float = 0.05, warmup_frac: float = 0.05,
                  min_lr_ratio: float = 0.01, label_smoothing: float = 0.0, channels_last: bool = False,
-                 compile: bool = False, nan_check_every: int | None = None, optimizer: str = "adamw",
+                 compile: bool | str = False, nan_check_every: int | None = None, optimizer: str = "adamw",
                  momentum: float = 0.9, no_decay_lr_scale: float = 1.0, schedule: str = "cosine", tta: int = 0):
         super().__init__()
         self.save_hyperparameters()
@@ -56,7 +58,9 @@ class ImageClassifier(pl.LightningModule):
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         if channels_last:
             self.model.to(memory_format=torch.channels_last)
-        if compile:
+        if compile == "regions":
+            compile_regions(self.model)
+        elif compile:
             self.model.compile()
         top5 = min(5, num_classes)
         self.metrics = torch.nn.ModuleDict({

@@ -53,12 +53,6 @@ def _number(key: str, value) -> float:
     return float(value)
 
 
-def _flag(key: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    return value
-
-
 def _text(key: str, value) -> str:
     if isinstance(value, (bool, list, dict)) or value is None:
         raise ValueError(f"{key} must be a string, got {value!r}")
@@ -106,10 +100,15 @@ def _devices(key: str, value) -> int | str:
     return value
 
 
-def _channels_last(key: str, value) -> str | bool:
-    if value != "auto" and not isinstance(value, bool):
-        raise ValueError(f"{key} must be auto, true or false, got {value!r}")
-    return value
+def _flag(*words: str) -> Check:
+    """true or false, or one of ``words``."""
+    expected = ", ".join([*words, "true"]) + " or false"
+
+    def check(key: str, value) -> bool | str:
+        if value not in words and not isinstance(value, bool):
+            raise ValueError(f"{key} must be {expected}, got {value!r}")
+        return value
+    return check
 
 
 def _max_time(key: str, value) -> str:
@@ -159,9 +158,9 @@ class AugmentConfig:
 
     crop_padding: int = _field(DEFAULT_AUGMENT["crop_padding"], "zero padding (pixels) before the random crop",
                                _integer(0))
-    hflip: bool = _field(DEFAULT_AUGMENT["hflip"], "random horizontal flip", _flag)
+    hflip: bool = _field(DEFAULT_AUGMENT["hflip"], "random horizontal flip", _flag())
     alternating_flip: bool = _field(DEFAULT_AUGMENT["alternating_flip"],
-                                    "with hflip: mirror each image in alternate epochs (airbench)", _flag)
+                                    "with hflip: mirror each image in alternate epochs (airbench)", _flag())
     randaugment: dict | bool | None = _field(DEFAULT_AUGMENT["randaugment"],
                                              "RandAugment: null (off), true or {num_ops: 2, magnitude: 9}",
                                              _optional(_randaugment))
@@ -203,7 +202,8 @@ class Recipe:
     warmup_epochs: float = _field(5.0, "linear warm-up, in epochs (fractions allowed)", _number)
     min_lr_ratio: float = _field(0.01, "the decay ends at lr * min_lr_ratio", _number)
     label_smoothing: float = _field(0.1, "cross-entropy label smoothing", _number)
-    fit_whitening: bool = _field(True, "patch-whitening filters from training images (false: fixed random ones)", _flag)
+    fit_whitening: bool = _field(True, "patch-whitening filters from training images (false: fixed random ones)",
+                                 _flag())
     ema_decay: float = _field(0.0, "EMA of the weights (decay warming up to this); 0 = off", _unit_interval)
     tta: int = _field(0, "test-time augmentation of validation and test: 0 none, 1 mirror, 2 mirror + shifts",
                       _choice(TTA_LEVELS))
@@ -212,7 +212,7 @@ class Recipe:
     # data
     data_dir: str | None = _field(None, "ImageFolder tree or folder holding cifar-10-batches-py (null: ./data)",
                                   _optional(_text))
-    download: bool = _field(False, "download CIFAR-10 into data_dir when it holds no dataset", _flag)
+    download: bool = _field(False, "download CIFAR-10 into data_dir when it holds no dataset", _flag())
     img_size: int = _field(32, "images are img_size x img_size; every zoo model gets it", _integer(1))
     val_size: int = _field(5000, "training images held out for validation", _integer(0))
     max_train_images: int | None = _field(None, "train on a seeded subset of this many images",
@@ -228,8 +228,8 @@ class Recipe:
     devices: int | str = _field("auto", "number of devices, a device list or auto", _devices)
     strategy: str = _field("auto", "Lightning strategy: auto, ddp, ...", _text)
     num_nodes: int = _field(1, "machines in a multi-node run", _integer(1))
-    compile: bool = _field(False, "torch.compile the model", _flag)
-    channels_last: str | bool = _field("auto", "channels-last memory (auto: resnet*, hybrid*)", _channels_last)
+    compile: bool | str = _field(False, "torch.compile: true (whole model), regions or false", _flag("regions"))
+    channels_last: str | bool = _field("auto", "channels-last memory (auto: resnet*, hybrid*)", _flag("auto"))
     max_time: str | None = _field(None, "wall-clock budget DD:HH:MM:SS; the LR schedule is fitted to it",
                                   _optional(_max_time))
     limit_train_batches: int | float | None = _field(None, "batches (int) or fraction (float) of an epoch", _limit)
@@ -239,7 +239,7 @@ class Recipe:
     out: str = _field("runs", "root of run directories: OUT/<model>/<run-id>/", _text)
     resume: str | None = _field(None, "auto, a run directory or a checkpoint to continue", _optional(_text))
     init_from: str | None = _field(None, "start from a zoo checkpoint or a timm ViT state_dict", _optional(_text))
-    init_partial: bool = _field(False, "let init_from load under half of the model's parameter elements", _flag)
+    init_partial: bool = _field(False, "let init_from load under half of the model's parameter elements", _flag())
 
     def __post_init__(self):
         _validate(self, "")
