@@ -10,7 +10,7 @@ larger = more important, for the zoo's models and for timm's and torchvision's V
   (https://arxiv.org/abs/2103.15679): R = I, then per layer R += mean_heads(clamp(dy_c/dA * A, min=0)) @ R.
 - ``gradcam``: Grad-CAM (Selvaraju et al. 2017, https://arxiv.org/abs/1610.02391) on a convolutional layer:
   relu(sum_k mean_hw(dy_c/dF_k) * F_k), at that layer's resolution (the zoo's CBAM-ResNet: ``layer4``; the
-  hybrid: its ``stem``, the 8x8 grid its attention sees).
+  hybrid: its ``stem``, the grid its attention sees).
 - ``cbam_gate``: the last CBAM spatial gate (Woo et al. 2018, https://arxiv.org/abs/1807.06521).
 - ``random``: uniform noise, the baseline every method must beat.
 

@@ -1,9 +1,10 @@
 """A hybrid CNN-attention classifier for small images: a convolutional stem in the manner of airbench
 (Jordan 2024, https://arxiv.org/abs/2404.00498: a patch-whitening first conv computed from the training data,
 then conv groups of conv-pool-BN-GELU-conv-BN-GELU) with a CBAM after each group (Woo et al. 2018,
-https://arxiv.org/abs/1807.06521) takes a 32x32 image to an 8x8 grid, and pre-norm transformer blocks of
-``zoo.MultiHeadAttention`` with a learned 2D relative position bias (Swin, https://arxiv.org/abs/2103.14030)
-attend over the grid's tokens; a global average pool feeds the head.
+https://arxiv.org/abs/1807.06521) takes a 32x32 image to a small grid (4x4 in ``hybrid_tiny``, where airbench's
+last group ends), and pre-norm transformer blocks of ``zoo.MultiHeadAttention`` with a learned 2D relative
+position bias (Swin, https://arxiv.org/abs/2103.14030) attend over the grid's tokens; a global average pool feeds
+the head.
 
 Prior art: CCT (Hassani et al. 2021, https://arxiv.org/abs/2104.05704) for a conv tokenizer instead of
 patches on CIFAR; CoAtNet (Dai et al. 2021, https://arxiv.org/abs/2106.04803) and BoTNet
@@ -178,14 +179,14 @@ class HybridNet(TokenFeatures, nn.Module):
 
 @register_model(first_conv="stem.0", classifier="head", fixed_input_size=True, feature_cfg=TOKEN_FEATURES)
 def hybrid_tiny(**kwargs) -> HybridNet:
-    """Whitening stem, conv groups of width 64 and 128 (each with CBAM) to the 8x8 grid, 2 blocks of width 128,
-    4 heads, MLP ratio 2: 0.54M parameters, 0.14 GFLOPs per 32x32 image. Chosen for test accuracy after 10
-    minutes of 2-core CPU training (BENCHMARKS.md)."""
-    return HybridNet(**{**dict(stem_chs=(64,), embed_dim=128, depth=2, num_heads=4, mlp_ratio=2.0), **kwargs})
+    """Whitening stem, conv groups of width 64, 256 and 256 (airbench94's widths, each group with CBAM) to the 4x4
+    grid, 2 blocks of width 256, 8 heads, MLP ratio 2: 3.0M parameters. Chosen for test accuracy after 10 and 60
+    minutes of 2-core CPU training (BENCHMARKS.md round eight)."""
+    return HybridNet(**{**dict(stem_chs=(64, 256), embed_dim=256, depth=2, num_heads=8, mlp_ratio=2.0), **kwargs})
 
 
 @register_model(first_conv="stem.0", classifier="head", fixed_input_size=True, feature_cfg=TOKEN_FEATURES)
 def hybrid_small(**kwargs) -> HybridNet:
-    """Whitening stem, conv groups of width 96 and 192 (each with CBAM) to the 8x8 grid, 3 blocks of width 192,
-    6 heads, MLP ratio 2: 1.6M parameters, 0.31 GFLOPs per 32x32 image."""
-    return HybridNet(**{**dict(stem_chs=(96,), embed_dim=192, depth=3, num_heads=6, mlp_ratio=2.0), **kwargs})
+    """``hybrid_tiny`` wider and deeper: conv groups of width 96, 384 and 384 (each with CBAM) to the 4x4 grid,
+    3 blocks of width 384, 12 heads, MLP ratio 2: 9.7M parameters."""
+    return HybridNet(**{**dict(stem_chs=(96, 384), embed_dim=384, depth=3, num_heads=12, mlp_ratio=2.0), **kwargs})
