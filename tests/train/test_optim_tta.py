@@ -5,6 +5,7 @@ out by hand."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -84,9 +85,35 @@ def test_auto_precision_follows_the_cpu_flags(tmp_path, monkeypatch):
     assert not device.cpu_has_native_bf16(str(tmp_path / "missing"))
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
     assert device.resolve_precision("auto", "cpu") == "32"
+    assert device.resolve_precision("auto", "cpu", faster=lambda options: pytest.fail("measured")) == "32"
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
     assert device.resolve_precision("auto", "cpu") == "bf16-mixed"
+    asked = []
+    assert device.resolve_precision("auto", "cpu", faster=lambda options: asked.append(options) or "32") == "32"
+    assert asked == [("32", "bf16-mixed")]  # the measurement decides between fp32 and bf16-mixed
     assert device.resolve_precision("16-mixed", "cpu") == "16-mixed"
+
+
+class _SlowUnder(torch.nn.Module):
+    """A BatchNorm whose forward sleeps 20 ms more when CPU autocast is ``slow_under`` (on or off)."""
+
+    def __init__(self, slow_under: bool):
+        super().__init__()
+        self.norm, self.slow_under = torch.nn.BatchNorm1d(4), slow_under
+
+    def forward(self, x):
+        time.sleep(0.001 + 0.02 * (torch.is_autocast_enabled("cpu") == self.slow_under))
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("slow_under,expected", [(True, "32"), (False, "bf16-mixed")])
+def test_faster_precision_picks_the_faster_and_leaves_the_model_alone(slow_under, expected):
+    from zoo.train.device import faster_precision
+
+    model = _SlowUnder(slow_under)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert faster_precision(model, torch.randn(8, 4), ("32", "bf16-mixed")) == expected
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BatchNorm ran on a copy
 
 
 def test_alternating_flip_mirrors_each_image_in_every_other_epoch():

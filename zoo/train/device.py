@@ -1,13 +1,18 @@
-"""Device choices for a run: which accelerator and precision ``auto`` means here, and a device sync for
-timings."""
+"""Device choices for a run: which accelerator and precision ``auto`` means here (on a CPU with native bf16, the
+precision measured faster for the run's model), and a device sync for timings."""
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 
 def synchronize(device: torch.device) -> None:
@@ -30,16 +35,38 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
-def resolve_precision(precision: str, accelerator: str) -> str:
-    """``auto`` -> bf16-mixed on GPUs that support it, 16-mixed on other GPUs; on a CPU bf16-mixed where it
-    has native bf16 (``cpu_has_native_bf16``), else 32. Measured with ``zoo.bench.modes`` (BENCHMARKS.md): on a
-    Zen 5 CPU with avx512_bf16 every model measured trains 1.3-2.3x faster in bf16-mixed with channels_last than in
-    fp32 (bf16-true no faster); on an Ice Lake CPU without it, emulated bf16 is 1.6-3x slower."""
+def resolve_precision(precision: str, accelerator: str,
+                      faster: Callable[[tuple[str, ...]], str] | None = None) -> str:
+    """``auto`` -> bf16-mixed on GPUs that support it, 16-mixed on other GPUs; on a CPU without native bf16
+    (``cpu_has_native_bf16``) 32, and with it ``faster(("32", "bf16-mixed"))``, the one measured faster for the
+    model at hand (``zoo.train.fit`` passes ``faster_precision`` on the run's model), or bf16-mixed when no
+    ``faster`` is given. Why measure (BENCHMARKS.md, ``zoo.bench.modes``): on an Ice Lake CPU without native bf16,
+    emulated bf16 is 1.6-3x slower; on a Zen 5 with avx512_bf16 every model measured trained 1.3-2.3x faster in
+    bf16-mixed; on an AMX Xeon hybrid_tiny trains 2.7x faster but vit_nano 0.8x (slower)."""
     if precision != "auto":
         return precision
     if accelerator == "gpu":
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-    return "bf16-mixed" if cpu_has_native_bf16() else "32"
+    if not cpu_has_native_bf16():
+        return "32"
+    return faster(("32", "bf16-mixed")) if faster is not None else "bf16-mixed"
+
+
+def faster_precision(model: nn.Module, x: torch.Tensor, precisions: tuple[str, ...], repeats: int = 2) -> str:
+    """Of CPU ``precisions`` ("32", "bf16-mixed"), the one in which forward + backward of a copy of ``model`` on
+    the batch ``x`` runs faster: one untimed step each, then ``repeats`` timed steps each, alternating, compared
+    by their medians. ``model`` itself is not touched (its BatchNorm statistics included)."""
+    model = copy.deepcopy(model).train()
+    seconds: dict[str, list[float]] = {p: [] for p in precisions}
+    for round_ in range(repeats + 1):
+        for precision in precisions:
+            start = time.perf_counter()
+            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+                out = model(x)
+            out.float().sum().backward()
+            if round_:
+                seconds[precision].append(time.perf_counter() - start)
+    return min(precisions, key=lambda p: statistics.median(seconds[p]))
 
 
 def resolve_accelerator(accelerator: str, devices) -> str:

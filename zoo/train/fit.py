@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
@@ -20,10 +21,10 @@ from lightning.pytorch.callbacks import (
     WeightAveraging,
 )
 
-from ..models import model_info
+from ..models import create_model, model_info
 from .callbacks import Throughput, TimeBudget
 from .data import ImageDataModule
-from .device import machine_name, resolve_accelerator, resolve_precision
+from .device import faster_precision, machine_name, resolve_accelerator, resolve_precision
 from .module import ImageClassifier
 from .optim import ema_avg_fn
 from .recipe import Recipe, parse_max_time
@@ -50,6 +51,7 @@ class RunPlan:
     precision: str              # "32", "bf16-mixed" or "16-mixed" ("auto" resolved)
     run_dir: Path
     resume_from: Path | None    # checkpoints/last.ckpt of a resumed run, else None
+    setup_s: float = 0.0        # seconds the run spent before its model was built (the precision probe)
 
 
 class RunCallbacks(NamedTuple):
@@ -64,13 +66,16 @@ def fit(recipe: Recipe) -> Path:
     ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends, once its model, model
     arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
     accelerator = resolve_accelerator(recipe.accelerator, recipe.devices)
-    precision = resolve_precision(recipe.precision, accelerator)
     run_dir, resume_from, new = find_run_dir(recipe)
     dm = build_datamodule(recipe)
     if resume_from is not None:
         check_resume_data(resume_from, dm.num_classes, dm.class_names)
+    start = time.perf_counter()
+    one_process = recipe.devices in ("auto", 1) and recipe.num_nodes == 1  # DDP ranks must not choose apart
+    precision = resolve_precision(recipe.precision, accelerator,
+                                  (lambda options: probe_precision(recipe, options)) if one_process else None)
     created = create_run_dir(recipe, run_dir)
-    plan = RunPlan(recipe, accelerator, precision, run_dir, resume_from)
+    plan = RunPlan(recipe, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
     try:
         return train_and_test(plan, dm)
     except BaseException:
@@ -83,8 +88,9 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
     """Fit, test the best checkpoint and write summary.json; a new run that ends before its first optimizer
     step (a time budget too small for one) -> ValueError."""
     pl.seed_everything(plan.recipe.seed, workers=True, verbose=False)
+    start = time.perf_counter()
     module = build_module(plan, dm)
-    callbacks = build_callbacks(plan)
+    callbacks = build_callbacks(plan, spent_s=plan.setup_s + time.perf_counter() - start)
     trainer = build_trainer(plan, callbacks.all)
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=str(plan.resume_from) if plan.resume_from else None)
@@ -110,18 +116,39 @@ def build_datamodule(recipe: Recipe) -> ImageDataModule:
     return dm
 
 
+def model_args(recipe: Recipe) -> dict:
+    """``create_model``'s keyword arguments for the recipe's model (every zoo model takes img_size)."""
+    return {**recipe.model_args, "img_size": recipe.img_size}
+
+
+def uses_channels_last(recipe: Recipe) -> bool:
+    """The recipe's memory format; "auto": channels_last for the conv models (measured faster on CPU too)."""
+    if recipe.channels_last == "auto":
+        return recipe.model.startswith(("resnet", "hybrid"))
+    return bool(recipe.channels_last)
+
+
+def probe_precision(recipe: Recipe, precisions: tuple[str, ...]) -> str:
+    """Which of ``precisions`` trains the recipe's model faster on this CPU (``device.faster_precision`` on a new
+    model, random images of the recipe's batch size, in the memory format the run uses); printed."""
+    model = create_model(recipe.model, **model_args(recipe))
+    x = torch.randn(recipe.batch_size, getattr(model, "in_chans", 3), recipe.img_size, recipe.img_size)
+    if uses_channels_last(recipe):
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    chosen = faster_precision(model, x, precisions)
+    print(f"--precision auto: {chosen}, measured faster than {', '.join(p for p in precisions if p != chosen)} for "
+          f"{recipe.model} on this CPU")
+    return chosen
+
+
 def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
     """The LightningModule around ``zoo.create_model``; a new run computes its patch-whitening filters (if the
     model has any) from the training images, and one with ``init_from`` starts from those weights."""
     recipe = plan.recipe
-    channels_last = recipe.channels_last
-    if channels_last == "auto":
-        channels_last = recipe.model.startswith(("resnet", "hybrid"))  # conv models: measured faster on CPU too
-    model_args = {**recipe.model_args, "img_size": recipe.img_size}  # every zoo model takes img_size
     module = ImageClassifier(
-        recipe.model, model_args, num_classes=dm.num_classes, lr=recipe.lr, weight_decay=recipe.weight_decay,
+        recipe.model, model_args(recipe), num_classes=dm.num_classes, lr=recipe.lr, weight_decay=recipe.weight_decay,
         warmup_frac=min(recipe.warmup_epochs / max(recipe.epochs, 1), 1.0), min_lr_ratio=recipe.min_lr_ratio,
-        label_smoothing=recipe.label_smoothing, channels_last=bool(channels_last), compile=recipe.compile,
+        label_smoothing=recipe.label_smoothing, channels_last=uses_channels_last(recipe), compile=recipe.compile,
         optimizer=recipe.optimizer, momentum=recipe.momentum, no_decay_lr_scale=recipe.no_decay_lr_scale,
         schedule=recipe.schedule, tta=recipe.tta)
     # a resumed run's checkpoint holds its filters; fit_whitening=false keeps the random ones (the ablation)
@@ -132,9 +159,11 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
     return module
 
 
-def build_callbacks(plan: RunPlan) -> RunCallbacks:
+def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
     """Checkpoints (best by val/top1, last every N steps), throughput, progress, LR log, the EMA of the weights
-    (Lightning's ``WeightAveraging``: validation, checkpoints and the test see the average), the time budget."""
+    (Lightning's ``WeightAveraging``: validation, checkpoints and the test see the average), the time budget
+    (less ``spent_s``, what the run spent before the fit: the precision probe, building the model and its
+    whitening filters)."""
     recipe, ckpt_dir = plan.recipe, plan.run_dir / "checkpoints"
     best = ModelCheckpoint(ckpt_dir, "best", monitor="val/top1", mode="max", save_top_k=1,
                            enable_version_counter=False)
@@ -149,7 +178,7 @@ def build_callbacks(plan: RunPlan) -> RunCallbacks:
     if recipe.ema_decay:
         callbacks.append(WeightAveraging(avg_fn=ema_avg_fn(recipe.ema_decay)))
     if recipe.max_time:
-        callbacks += [TimeBudget(parse_max_time(recipe.max_time)), Timer(recipe.max_time)]
+        callbacks += [TimeBudget(parse_max_time(recipe.max_time) - spent_s), Timer(recipe.max_time)]
     return RunCallbacks(best, throughput, callbacks)
 
 
