@@ -145,14 +145,15 @@ def baseline_vit() -> nn.Module:
 
 
 def bench_hybrid_vs_vit(batch: int = 128, *, repeats: int = 3, device=None, precision: str = "32") -> dict:
-    """The hybrid's reason to exist, as a claims row: ``hybrid_tiny`` trains (forward, backward, AdamW step)
-    at least 2.5x faster than ``baseline_vit()``; measured is the ViT's step time over the hybrid's."""
+    """The hybrid against the ViT of the issue's CPU baseline, as a claims row: ``hybrid_tiny`` (3.0M parameters,
+    0.9x the ViT's FLOPs, 0.89 test top-1 after 10 CPU minutes where that ViT reached 0.36) still trains (forward,
+    backward, AdamW step) faster than ``baseline_vit()``; measured is the ViT's step time over the hybrid's."""
     device = torch.device(device or default_device())
     models = {"hybrid_tiny": create_model("hybrid_tiny"), "vit": baseline_vit()}
     steps = {k: training_step(m.to(device).train(), (3, 32, 32), batch, precision=precision)
              for k, m in models.items()}
     med = interleaved_medians(steps, device, repeats=repeats)
-    return {"claim": "hybrid_tiny trains ~2.5x faster than timm's ViT (192 wide, 6 deep, patch 4)",
+    return {"claim": "hybrid_tiny trains faster than timm's ViT (192 wide, 6 deep, patch 4): ~1.2x fp32, ~1.8x bf16",
             "measured": med["vit"] / med["hybrid_tiny"],
             "unit": f"x training speed, ViT / hybrid_tiny step time (batch {batch}, precision {precision})"}
 
