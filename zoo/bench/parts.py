@@ -76,8 +76,7 @@ def main(argv=None) -> int:
     ms = {k: round(v * 1e3, 1) for k, v in seconds.items()}
     shares = {name: round(ms["model"] - ms[f"without {name}"], 1) for name in args.drop}
     print(json.dumps({"machine": machine_name(), "model": args.model, "model_args": json.loads(args.model_args),
-                      "precision": args.precision,
-                      "batch": args.batch, "ms": ms, "ms_of": shares}, indent=2))
+                      "precision": args.precision, "batch": args.batch, "ms": ms, "ms_of": shares}, indent=2))
     return 0
 
 

@@ -188,5 +188,5 @@ def hybrid_tiny(**kwargs) -> HybridNet:
 @register_model(first_conv="stem.0", classifier="head", fixed_input_size=True, feature_cfg=TOKEN_FEATURES)
 def hybrid_small(**kwargs) -> HybridNet:
     """``hybrid_tiny`` wider and deeper: conv groups of width 96, 384 and 384 (each with CBAM) to the 4x4 grid,
-    3 blocks of width 384, 12 heads, MLP ratio 2: 9.7M parameters."""
+    3 blocks of width 384, 12 heads, MLP ratio 2: 8.0M parameters."""
     return HybridNet(**{**dict(stem_chs=(96, 384), embed_dim=384, depth=3, num_heads=12, mlp_ratio=2.0), **kwargs})
