@@ -155,6 +155,18 @@ def test_train_bad_input(what, args, match, places, tmp_path, capsys):
     assert not any((tmp_path / "runs").glob("*/*")), "a failed train.py left a run directory behind"
 
 
+def test_a_refused_init_from_fails_before_the_precision_probe(places, tmp_path, capsys, monkeypatch):
+    """--precision auto measures fp32 against bf16 for seconds on a CPU with native bf16: a --init-from that
+    cannot load is refused before that (and before the run directory exists)."""
+    import zoo.train.fit as fit
+
+    monkeypatch.setattr(fit, "resolve_precision", lambda *a: pytest.fail("chose a precision first"))
+    args = ["--model", "vit_nano", "--set", "model_args.depth=16", *TWO, "--init-from", "{ckpt}"]
+    code, _, err = call(train.main, [*fill(args, places), "--out", str(tmp_path / "runs"), "--cache-dir",
+                                     places["cache"]], capsys)
+    assert_one_line(code, err, r"under 50% of the model was found", "train.py")
+
+
 @pytest.mark.parametrize("what, args, match", RESUME_CASES, ids=[c[0] for c in RESUME_CASES])
 def test_wrong_resume_changes_nothing(what, args, match, places, capsys):
     before = snapshot(Path(places["runs"]))

@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -193,8 +194,13 @@ def attention_peak_memory_mb(backend: str, n: int, backward: bool, window: int =
 
 
 def bench_memory(n: int = 4097, backends=("math", "sdpa", "chunked", "linear"), device=None) -> list[dict]:
-    return [{"backend": b, "n": n, "inference_mb": attention_peak_memory_mb(b, n, False, device=device),
-             "backward_mb": attention_peak_memory_mb(b, n, True, device=device)} for b in backends]
+    """``attention_peak_memory_mb`` per backend, inference and backward; two subprocesses at a time (each
+    measures its own peak, and most of a subprocess's seconds go to importing torch)."""
+    cases = [(backend, backward) for backend in backends for backward in (False, True)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        measured = pool.map(lambda case: attention_peak_memory_mb(case[0], n, case[1], device=device), cases)
+        mb = dict(zip(cases, measured, strict=True))
+    return [{"backend": b, "n": n, "inference_mb": mb[b, False], "backward_mb": mb[b, True]} for b in backends]
 
 
 def gemm_peak_flops(size: int = 2048, repeats: int = 5, device=None, dtype=torch.float32) -> float:

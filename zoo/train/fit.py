@@ -37,7 +37,7 @@ from .runs import (
     remove_failed_run,
     write_json,
 )
-from .warmstart import init_from
+from .warmstart import init_from, match_init
 
 WHITENING_IMAGES = 5000  # training images whose patches set the whitening filters (airbench uses 5,000)
 
@@ -70,6 +70,9 @@ def fit(recipe: Recipe) -> Path:
     dm = build_datamodule(recipe)
     if resume_from is not None:
         check_resume_data(resume_from, dm.num_classes, dm.class_names)
+    elif recipe.init_from:  # a refused --init-from fails before the precision probe's seconds
+        match_init(create_model(recipe.model, num_classes=dm.num_classes, **model_args(recipe)), recipe.init_from,
+                   allow_partial=recipe.init_partial)
     start = time.perf_counter()
     one_process = recipe.devices in ("auto", 1) and recipe.num_nodes == 1  # DDP ranks must not choose apart
     precision = resolve_precision(recipe.precision, accelerator,

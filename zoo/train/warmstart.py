@@ -35,10 +35,10 @@ class InitReport:
                 f"{names(self.skipped_for_shape)}, {len(self.missing)} missing{names(self.missing)}")
 
 
-def init_from(model: nn.Module, path: str | Path, *, allow_partial: bool = False) -> InitReport:
-    """Copy the matching weights of a zoo checkpoint or a timm / plain state_dict file into ``model`` and say
-    what was loaded. Under ``MIN_FRACTION`` of the parameter elements found -> ValueError (nothing is loaded),
-    unless ``allow_partial``; nothing at all found -> ValueError always."""
+def match_init(model: nn.Module, path: str | Path, *, allow_partial: bool = False) -> tuple[InitReport, dict]:
+    """What ``init_from`` would load into ``model`` from ``path``, and its report, loading nothing: under
+    ``MIN_FRACTION`` of the parameter elements found -> ValueError unless ``allow_partial``; nothing at all found
+    -> ValueError always."""
     source = checkpoint_weights(path)
     target = model.state_dict()
     loaded = matching_weights(model, source)
@@ -52,5 +52,12 @@ def init_from(model: nn.Module, path: str | Path, *, allow_partial: bool = False
     if report.fraction < MIN_FRACTION and not allow_partial:
         raise ValueError(f"{report.summary()}: under {MIN_FRACTION:.0%} of the model was found (another model's "
                          "weights?); pass --init-partial (recipe key init_partial) to load them anyway")
+    return report, loaded
+
+
+def init_from(model: nn.Module, path: str | Path, *, allow_partial: bool = False) -> InitReport:
+    """Copy the matching weights of a zoo checkpoint or a timm / plain state_dict file into ``model`` and say
+    what was loaded; refused as ``match_init`` refuses (nothing is loaded then)."""
+    report, loaded = match_init(model, path, allow_partial=allow_partial)
     model.load_state_dict(loaded, strict=False)
     return report
