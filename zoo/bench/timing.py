@@ -8,8 +8,6 @@ The training step runs on a copy of the model, so the model passed in is left un
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -17,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..train.device import synchronize
+from ..train.device import interleaved_medians, synchronize  # noqa: F401  (re-exported: zoo.bench's API)
 
 Shape = tuple[int, int, int]  # (C, H, W) of one image
 PRECISIONS = {"32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -29,27 +27,6 @@ def autocast_for(device: torch.device, precision: str):
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     dtype = PRECISIONS[precision]
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
-def interleaved_medians(candidates: dict[str, Callable[[], object]], device: torch.device | None = None, *,
-                        warmup: int = 1, repeats: int = 5) -> dict[str, float]:
-    """Median wall seconds per call of each candidate after ``warmup`` untimed calls. Repeat r runs every
-    candidate once before repeat r + 1, so drift in the machine's speed hits all candidates alike."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    device = device or torch.device("cpu")
-    for fn in candidates.values():
-        for _ in range(warmup):
-            fn()
-    synchronize(device)
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int = 1,

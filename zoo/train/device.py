@@ -24,6 +24,27 @@ def synchronize(device: torch.device) -> None:
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPU flags of bf16 dot products / tile matmuls
 
 
+def interleaved_medians(candidates: dict[str, Callable[[], object]], device: torch.device | None = None, *,
+                        warmup: int = 1, repeats: int = 5) -> dict[str, float]:
+    """Median wall seconds per call of each candidate after ``warmup`` untimed calls. Repeat r runs every
+    candidate once before repeat r + 1, so drift in the machine's speed hits all candidates alike."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    device = device or torch.device("cpu")
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), read from the kernel's CPU flags. Without
     them torch still runs bf16, emulated, and slower than fp32 (oneDNN's "bf16 supported" says only that)."""
@@ -55,18 +76,18 @@ def resolve_precision(precision: str, accelerator: str,
 def faster_precision(model: nn.Module, x: torch.Tensor, precisions: tuple[str, ...], repeats: int = 2) -> str:
     """Of CPU ``precisions`` ("32", "bf16-mixed"), the one in which forward + backward of a copy of ``model`` on
     the batch ``x`` runs faster: one untimed step each, then ``repeats`` timed steps each, alternating, compared
-    by their medians. ``model`` itself is not touched (its BatchNorm statistics included)."""
+    by their medians (``interleaved_medians``). ``model`` itself is not touched (its BatchNorm statistics included)."""
     model = copy.deepcopy(model).train()
-    seconds: dict[str, list[float]] = {p: [] for p in precisions}
-    for round_ in range(repeats + 1):
-        for precision in precisions:
-            start = time.perf_counter()
+
+    def step(precision: str) -> Callable[[], None]:
+        def run() -> None:
             with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
                 out = model(x)
             out.float().sum().backward()
-            if round_:
-                seconds[precision].append(time.perf_counter() - start)
-    return min(precisions, key=lambda p: statistics.median(seconds[p]))
+        return run
+
+    seconds = interleaved_medians({p: step(p) for p in precisions}, repeats=repeats)
+    return min(precisions, key=seconds.__getitem__)
 
 
 def resolve_accelerator(accelerator: str, devices) -> str:
