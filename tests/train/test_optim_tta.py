@@ -4,6 +4,7 @@ out by hand."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -114,6 +115,32 @@ def test_faster_precision_picks_the_faster_and_leaves_the_model_alone(slow_under
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert faster_precision(model, torch.randn(8, 4), ("32", "bf16-mixed")) == expected
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BatchNorm ran on a copy
+
+
+@pytest.mark.parametrize("bf16_seconds,expected", [(0.97, "32"), (1.2, "32"), (0.9, "bf16-mixed")])
+def test_faster_precision_keeps_fp32_unless_bf16_beats_it_by_the_margin(bf16_seconds, expected, monkeypatch):
+    from zoo.train import device
+
+    monkeypatch.setattr(device, "interleaved_medians", lambda fns, repeats: {"32": 1.0, "bf16-mixed": bf16_seconds})
+    assert device.faster_precision(torch.nn.Linear(4, 4), torch.randn(2, 4), ("32", "bf16-mixed"),
+                                   margin=0.05) == expected
+
+
+def test_remembered_choice_measures_once_per_key_and_survives_a_corrupt_file(tmp_path):
+    from zoo.train.device import remembered_choice
+
+    path, calls = tmp_path / "sub" / "choices.json", []
+
+    def choose(value):
+        return lambda: calls.append(value) or value
+
+    assert remembered_choice(path, "a", choose("bf16-mixed")) == ("bf16-mixed", True)
+    assert remembered_choice(path, "a", choose("32")) == ("bf16-mixed", False)  # not measured again
+    assert remembered_choice(path, "b", choose("32")) == ("32", True)
+    assert json.loads(path.read_text()) == {"a": "bf16-mixed", "b": "32"}
+    path.write_text('{"a": "bf16-mi')  # a torn write by some other tool
+    assert remembered_choice(path, "a", choose("32")) == ("32", True)
+    assert calls == ["bf16-mixed", "32", "32"] and json.loads(path.read_text()) == {"a": "32"}
 
 
 def test_alternating_flip_mirrors_each_image_in_every_other_epoch():

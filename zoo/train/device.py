@@ -4,6 +4,7 @@ precision measured faster for the run's model), and a device sync for timings.""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import platform
 import statistics
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from ..atomic import atomic_write
 
 
 def synchronize(device: torch.device) -> None:
@@ -73,10 +76,13 @@ def resolve_precision(precision: str, accelerator: str,
     return faster(("32", "bf16-mixed")) if faster is not None else "bf16-mixed"
 
 
-def faster_precision(model: nn.Module, x: torch.Tensor, precisions: tuple[str, ...], repeats: int = 2) -> str:
+def faster_precision(model: nn.Module, x: torch.Tensor, precisions: tuple[str, ...], repeats: int = 2,
+                     margin: float = 0.05) -> str:
     """Of CPU ``precisions`` ("32", "bf16-mixed"), the one in which forward + backward of a copy of ``model`` on
     the batch ``x`` runs faster: one untimed step each, then ``repeats`` timed steps each, alternating, compared
-    by their medians (``interleaved_medians``). ``model`` itself is not touched (its BatchNorm statistics included)."""
+    by their medians (``interleaved_medians``). The first precision is kept unless another is faster by more than
+    ``margin`` (a fraction of its time): a near tie is noise, and fp32 is the exact one. ``model`` itself is not
+    touched (its BatchNorm statistics included)."""
     model = copy.deepcopy(model).train()
 
     def step(precision: str) -> Callable[[], None]:
@@ -87,7 +93,24 @@ def faster_precision(model: nn.Module, x: torch.Tensor, precisions: tuple[str, .
         return run
 
     seconds = interleaved_medians({p: step(p) for p in precisions}, repeats=repeats)
-    return min(precisions, key=seconds.__getitem__)
+    fastest = min(precisions, key=seconds.__getitem__)
+    return fastest if seconds[fastest] < (1 - margin) * seconds[precisions[0]] else precisions[0]
+
+
+def remembered_choice(path: Path, key: str, choose: Callable[[], str]) -> tuple[str, bool]:
+    """``(choice, measured)``: the choice stored under ``key`` in the JSON file ``path``, else ``choose()``'s,
+    stored there (written atomically; an unreadable file counts as empty). ``--precision auto`` remembers its
+    measurement this way, so two runs of one recipe on one machine train in the same precision."""
+    try:
+        choices = json.loads(path.read_text())
+        choices = choices if isinstance(choices, dict) else {}
+    except (OSError, ValueError):
+        choices = {}
+    if isinstance(choices.get(key), str):
+        return choices[key], False
+    choices[key] = choose()
+    atomic_write(path, lambda f: f.write((json.dumps(choices, indent=2, sort_keys=True) + "\n").encode()))
+    return choices[key], True
 
 
 def resolve_accelerator(accelerator: str, devices) -> str:

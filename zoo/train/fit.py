@@ -6,8 +6,9 @@ fractions in [0, 1])."""
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,7 +25,8 @@ from lightning.pytorch.callbacks import (
 from ..models import create_model, model_info
 from .callbacks import Throughput, TimeBudget
 from .data import ImageDataModule
-from .device import faster_precision, machine_name, resolve_accelerator, resolve_precision
+from .data.cache import user_cache_dir
+from .device import faster_precision, machine_name, remembered_choice, resolve_accelerator, resolve_precision
 from .module import ImageClassifier
 from .optim import ema_avg_fn
 from .recipe import Recipe, parse_max_time
@@ -34,11 +36,13 @@ from .runs import (
     check_resume_data,
     create_run_dir,
     find_run_dir,
+    recorded_precision,
     remove_failed_run,
     write_json,
 )
 from .warmstart import init_from, match_init
 
+PRECISION_FILE = "precision-choices.json"  # --precision auto's measurements, in the cache directory
 WHITENING_IMAGES = 5000  # training images whose patches set the whitening filters (airbench uses 5,000)
 
 
@@ -75,9 +79,12 @@ def fit(recipe: Recipe) -> Path:
                    allow_partial=recipe.init_partial)
     start = time.perf_counter()
     one_process = recipe.devices in ("auto", 1) and recipe.num_nodes == 1  # DDP ranks must not choose apart
-    precision = resolve_precision(recipe.precision, accelerator,
+    precision = recipe.precision
+    if precision == "auto" and resume_from is not None:  # a resumed run keeps the precision it started in
+        precision = recorded_precision(run_dir, accelerator)
+    precision = resolve_precision(precision, accelerator,
                                   (lambda options: probe_precision(recipe, options)) if one_process else None)
-    created = create_run_dir(recipe, run_dir)
+    created = create_run_dir(replace(recipe, precision=precision), run_dir)
     plan = RunPlan(recipe, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
     try:
         return train_and_test(plan, dm)
@@ -133,14 +140,25 @@ def uses_channels_last(recipe: Recipe) -> bool:
 
 def probe_precision(recipe: Recipe, precisions: tuple[str, ...]) -> str:
     """Which of ``precisions`` trains the recipe's model faster on this CPU (``device.faster_precision`` on a new
-    model, random images of the recipe's batch size, in the memory format the run uses); printed."""
-    model = create_model(recipe.model, **model_args(recipe))
-    x = torch.randn(recipe.batch_size, getattr(model, "in_chans", 3), recipe.img_size, recipe.img_size)
-    if uses_channels_last(recipe):
-        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-    chosen = faster_precision(model, x, precisions)
-    print(f"--precision auto: {chosen}, measured faster than {', '.join(p for p in precisions if p != chosen)} for "
-          f"{recipe.model} on this CPU")
+    model, random images of the recipe's batch size, in the memory format the run uses); printed. Measured once
+    per machine, torch, thread count, model, model arguments, image and batch size, then remembered in
+    ``PRECISION_FILE`` in the cache directory (``device.remembered_choice``): a timing near a tie could otherwise
+    choose differently from run to run, and two runs with one seed would not be the same run."""
+    channels_last = uses_channels_last(recipe)
+    key = json.dumps([recipe.model, model_args(recipe), recipe.batch_size, channels_last, list(precisions),
+                      machine_name(), torch.__version__, torch.get_num_threads()], sort_keys=True)
+
+    def measure() -> str:
+        model = create_model(recipe.model, **model_args(recipe))
+        x = torch.randn(recipe.batch_size, getattr(model, "in_chans", 3), recipe.img_size, recipe.img_size)
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+        return faster_precision(model, x, precisions)
+
+    path = (Path(recipe.cache_dir) if recipe.cache_dir else user_cache_dir()) / PRECISION_FILE
+    chosen, measured = remembered_choice(path, key, measure)
+    print(f"--precision auto: {chosen} for {recipe.model} on this CPU ("
+          f"{'measured' if measured else 'as measured before, remembered in'} {path}; delete it to measure again)")
     return chosen
 
 

@@ -12,18 +12,16 @@ import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+import yaml
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from ..atomic import atomic_write, atomic_write_csv
 from ..models.checkpoints import load_checkpoint
-
-if TYPE_CHECKING:
-    from .recipe import Recipe
+from .recipe import PRECISIONS, Recipe
 
 RUN_DIR_ENV = "ZOO_RUN_DIR"  # the run directory rank 0 chose, inherited by the processes DDP launches
 
@@ -177,6 +175,17 @@ def create_run_dir(recipe: Recipe, run_dir: Path) -> Path | None:
     if os.environ.get("LOCAL_RANK", "0") == "0":
         atomic_write(run_dir / "config.yaml", lambda f: f.write(recipe.to_yaml().encode()))
     return created
+
+
+def recorded_precision(run_dir: Path, accelerator: str) -> str:
+    """The precision a run's config.yaml records (``fit`` writes the one ``auto`` resolved to), or "auto" when it
+    records none or no valid one, cannot be read, or records fp16 AMP and the run now resumes on a CPU (Lightning
+    has none there)."""
+    try:
+        precision = str((yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("precision", "auto"))
+    except (OSError, yaml.YAMLError, AttributeError):
+        return "auto"
+    return "auto" if precision not in PRECISIONS or precision == "16-mixed" and accelerator != "gpu" else precision
 
 
 def remove_failed_run(run_dir: Path, created: Path | None) -> None:
