@@ -157,8 +157,9 @@ def probe_precision(recipe: Recipe, precisions: tuple[str, ...]) -> str:
 
     path = (Path(recipe.cache_dir) if recipe.cache_dir else user_cache_dir()) / PRECISION_FILE
     chosen, measured = remembered_choice(path, key, measure)
-    print(f"--precision auto: {chosen} for {recipe.model} on this CPU ("
-          f"{'measured' if measured else 'as measured before, remembered in'} {path}; delete it to measure again)")
+    when = "measured now" if measured else "measured before"
+    print(f"--precision auto: {chosen} for {recipe.model} on this CPU ({when}; remembered in {path}, delete it to "
+          "measure again)")
     return chosen
 
 
