@@ -141,6 +141,8 @@ def test_remembered_choice_measures_once_per_key_and_survives_a_corrupt_file(tmp
     path.write_text('{"a": "bf16-mi')  # a torn write by some other tool
     assert remembered_choice(path, "a", choose("32")) == ("32", True)
     assert calls == ["bf16-mixed", "32", "32"] and json.loads(path.read_text()) == {"a": "32"}
+    (tmp_path / "file").write_text("")
+    assert remembered_choice(tmp_path / "file" / "choices.json", "a", choose("32")) == ("32", True)  # not writable
 
 
 def test_alternating_flip_mirrors_each_image_in_every_other_epoch():

@@ -99,8 +99,9 @@ def faster_precision(model: nn.Module, x: torch.Tensor, precisions: tuple[str, .
 
 def remembered_choice(path: Path, key: str, choose: Callable[[], str]) -> tuple[str, bool]:
     """``(choice, measured)``: the choice stored under ``key`` in the JSON file ``path``, else ``choose()``'s,
-    stored there (written atomically; an unreadable file counts as empty). ``--precision auto`` remembers its
-    measurement this way, so two runs of one recipe on one machine train in the same precision."""
+    stored there (written atomically; an unreadable file counts as empty, an unwritable one is left alone).
+    ``--precision auto`` remembers its measurement this way, so two runs of one recipe on one machine train in the
+    same precision."""
     try:
         choices = json.loads(path.read_text())
         choices = choices if isinstance(choices, dict) else {}
@@ -109,7 +110,10 @@ def remembered_choice(path: Path, key: str, choose: Callable[[], str]) -> tuple[
     if isinstance(choices.get(key), str):
         return choices[key], False
     choices[key] = choose()
-    atomic_write(path, lambda f: f.write((json.dumps(choices, indent=2, sort_keys=True) + "\n").encode()))
+    try:
+        atomic_write(path, lambda f: f.write((json.dumps(choices, indent=2, sort_keys=True) + "\n").encode()))
+    except OSError:  # an unwritable cache folder costs a measurement next time, not the run
+        pass
     return choices[key], True
 
 
