@@ -1,11 +1,12 @@
 """Crash-safe file writes: the new content goes to a temporary file beside the target, is fsynced, and is
 renamed over the target (``os.replace`` is atomic on POSIX), so a process killed mid-write leaves the old
-file intact. Used for checkpoints, summary files, CSV tables and the data cache."""
+file intact. Used for checkpoints, summary and other JSON files, CSV tables and the data cache."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -39,3 +40,8 @@ def atomic_write_csv(path: str | Path, fieldnames: Sequence[str], rows: Iterable
     writer.writeheader()
     writer.writerows(rows)
     atomic_write(path, lambda f: f.write(text.getvalue().encode()))
+
+
+def atomic_write_json(path: str | Path, data) -> None:
+    """``data`` as indented JSON (and a final newline) written whole through ``atomic_write``."""
+    atomic_write(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))

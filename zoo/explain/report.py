@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
+from ..atomic import atomic_write_json
 from ..bench.timing import benchmark_model, measure_inference
 from ..models.checkpoints import load_run, load_shipped
 from ..train.data import DataError, ImageDataModule, data_class_names
 from ..train.device import eval_device
-from ..train.runs import write_json
 from . import figures as viz
 from .faithfulness import deletion_test
 from .leaderboard import best_method, read_csv
@@ -158,7 +158,7 @@ def run_deletion(model: nn.Module, dm: ImageDataModule, num_images: int, out: Pa
     deletion.png."""
     images, labels = spread_test_images(dm, num_images)
     result = deletion_test(model, dm.normalize(images), labels)
-    write_json(out / "deletion.json", result)
+    atomic_write_json(out / "deletion.json", result)
     viz.save(viz.deletion_figure(result, title=title), out / "deletion.png")
     return result
 
@@ -185,7 +185,7 @@ def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: 
         dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
     metrics, matrix = evaluate(model, dm)
     metrics = {"model": name, "checkpoint": meta["ckpt_path"], **metrics}
-    write_json(out / "metrics.json", metrics)
+    atomic_write_json(out / "metrics.json", metrics)
     viz.save(viz.confusion_matrix_figure(matrix, dm.class_names, title=f"{name}: test confusion matrix "
                                          f"(top-1 {metrics['test_top1']:.3f})"), out / "confusion_matrix.png")
     report = {"metrics": metrics, "deletion": None, "benchmark": None}
@@ -196,7 +196,7 @@ def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: 
     if benchmark:
         shape = tuple(dm.test_dataset.images.shape[1:])
         report["benchmark"] = benchmark_model(model, shape, num_classes=dm.num_classes, precision=precision)
-        write_json(out / "benchmark.json", {"model": name, **report["benchmark"]})
+        atomic_write_json(out / "benchmark.json", {"model": name, **report["benchmark"]})
     return report
 
 

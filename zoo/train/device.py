@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write_json
 
 
 def synchronize(device: torch.device) -> None:
@@ -111,7 +111,7 @@ def remembered_choice(path: Path, key: str, choose: Callable[[], str]) -> tuple[
         return choices[key], False
     choices[key] = choose()
     try:
-        atomic_write(path, lambda f: f.write((json.dumps(choices, indent=2, sort_keys=True) + "\n").encode()))
+        atomic_write_json(path, choices)
     except OSError:  # an unwritable cache folder costs a measurement next time, not the run
         pass
     return choices[key], True

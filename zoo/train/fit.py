@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import (
     WeightAveraging,
 )
 
+from ..atomic import atomic_write_json
 from ..models import create_model, model_info
 from .callbacks import Throughput, TimeBudget
 from .data import ImageDataModule
@@ -38,7 +39,6 @@ from .runs import (
     find_run_dir,
     recorded_precision,
     remove_failed_run,
-    write_json,
 )
 from .warmstart import init_from, match_init
 
@@ -110,7 +110,7 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
                          f"--limit-train-batches {plan.recipe.limit_train_batches}): nothing to save")
     tested = run_test(trainer, module, dm, callbacks.best)
     if trainer.is_global_zero:
-        write_json(plan.run_dir / "summary.json", summarize(plan, trainer, callbacks, fit_s, tested))
+        atomic_write_json(plan.run_dir / "summary.json", summarize(plan, trainer, callbacks, fit_s, tested))
     return plan.run_dir
 
 

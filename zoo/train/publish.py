@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 from datetime import date
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, atomic_write_json
 from ..models.checkpoints import load_run
 from ..models.registry import WEIGHTS_DIR, model_info
 from .data import ImageDataModule
@@ -100,7 +99,7 @@ def publish_run(run_dir: str | Path, *, data_dir: str | Path | None = None, comm
     card["sha256"] = hashlib.sha256(blob).hexdigest()
     out_dir = Path(out_dir)
     atomic_write(out_dir / f"{card['model']}.safetensors", lambda f: f.write(blob))
-    atomic_write(out_dir / f"{card['model']}.json", lambda f: f.write((json.dumps(card, indent=2) + "\n").encode()))
+    atomic_write_json(out_dir / f"{card['model']}.json", card)
     return card
 
 

@@ -26,10 +26,6 @@ from .recipe import PRECISIONS, Recipe
 RUN_DIR_ENV = "ZOO_RUN_DIR"  # the run directory rank 0 chose, inherited by the processes DDP launches
 
 
-def write_json(path: str | Path, data: dict) -> None:
-    atomic_write(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's TorchCheckpointIO writes through an fsspec transaction whose temp file lives in the
     system temp dir and is moved (a copy across filesystems, no fsync): not atomic. This one is."""
