@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo.bench.modes import bench_modes, mode_steps
+from zoo.bench.modes import bench_modes, mode_steps, optimizer_costs
 
 EAGER_MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true")
 
@@ -31,3 +31,15 @@ def test_ratios_are_throughput_ratios():
         bench_modes(["vit_nano"], batch=2, repeats=1, modes=("bf16_true",))
     with pytest.raises(ValueError, match="mode must be one of"):
         mode_steps("vit_nano", batch=2, modes=("fp32", "fp64"))
+
+
+def test_optimizer_costs_are_shares_of_the_step(monkeypatch):
+    monkeypatch.setenv("ZOO_NATIVE_BF16", "0")
+    rows = optimizer_costs("vit_nano", ("adamw", "muon"), batch=2, repeats=1, precisions=("32",))
+    assert [(r["optimizer"], r["precision"], r["muon_dtype"]) for r in rows] == [("adamw", "32", "float32"),
+                                                                               ("muon", "32", "float32")]
+    adamw, muon = rows
+    assert adamw["vs_adamw"] == 1.0 and muon["vs_adamw"] == pytest.approx(adamw["step_ms"] / muon["step_ms"])
+    for row in rows:
+        assert row["optimizer_share"] == pytest.approx(row["optimizer_ms"] / row["step_ms"])
+        assert row["optimizer_share"] < 1

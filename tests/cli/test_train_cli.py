@@ -94,11 +94,11 @@ def test_precision_auto_is_measured_once_and_a_resumed_run_keeps_its_own(slice_a
     """On a CPU with native bf16, ``auto`` measures fp32 against bf16 once per machine and model shape (a near tie
     must not make two same-seed runs differ), records the result in config.yaml, and a resumed run keeps it."""
     import zoo.train.device as device
-    import zoo.train.fit as fit
+    import zoo.train.probes as probes
 
     measured = []
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(fit, "faster_precision", lambda model, x, options: measured.append(options) or "bf16-mixed")
+    monkeypatch.setattr(probes, "faster_precision", lambda model, x, options: measured.append(options) or "bf16-mixed")
     cache = tmp_path / "cache"  # this test's own: no other test's measurement remembered there
     args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), *slice_args, "--limit-train-batches", "1",
             "--cache-dir", str(cache)]
@@ -111,8 +111,8 @@ def test_precision_auto_is_measured_once_and_a_resumed_run_keeps_its_own(slice_a
         assert yaml.safe_load((run_dirs[-1] / "config.yaml").read_text())["precision"] == "bf16-mixed"
     assert measured == [("32", "bf16-mixed")]  # the second run reused the first run's measurement
 
-    (cache / fit.PRECISION_FILE).unlink()
-    monkeypatch.setattr(fit, "faster_precision", lambda *a: pytest.fail("a resumed run measured again"))
+    (cache / probes.PRECISION_FILE).unlink()
+    monkeypatch.setattr(probes, "faster_precision", lambda *a: pytest.fail("a resumed run measured again"))
     code, out, err = run_main([*args, "--out", str(tmp_path / "0"), "--resume", str(run_dirs[0]), "--epochs", "2"],
                               capsys)
     assert code == 0, err[-2000:]

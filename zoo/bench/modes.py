@@ -3,10 +3,13 @@ bf16 autocast with channels_last ("bf16-mixed"), the model cast to bf16 ("bf16-t
 fp32 (by default; compiled channels_last fp32 and bf16-mixed, and the regionally compiled ones of
 ``zoo.models.compile_regions``, on request), with the compile time paid once, measured apart. Candidates of one
 model are interleaved repeat by repeat (``interleaved_medians``), so their ratios are side by side; each step is a
-forward, cross-entropy, backward and AdamW step at ``batch``, on random images.
+forward, cross-entropy, backward and AdamW step at ``batch``, on random images. ``optimizer_costs`` measures what
+each optimizer's step adds to a training step (its share of the step), in fp32 and bf16-mixed, with Muon's
+iteration in the dtype a run would choose here (``ZOO_NATIVE_BF16=0`` plays a CPU without native bf16).
 
     python -m zoo.bench.modes --models hybrid_tiny vit_tiny --out modes.json
     python -m zoo.bench.modes --models resnet18_cbam --modes fp32_channels_last bf16_mixed_channels_last
+    python -m zoo.bench.modes --models hybrid_tiny --modes fp32 --optimizers adamw muon muon_conv
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from timm.layers import to_2tuple
 from torch import nn
 
 from ..models import compile_regions, create_model
-from ..train.device import cpu_has_native_bf16, machine_name
+from ..train.device import cpu_has_native_bf16, machine_name, resolve_muon_dtype
+from ..train.optim import OPTIMIZERS, build_optimizer, param_groups
+from ..train.probes import optimizer_step_seconds
 from .timing import interleaved_medians, measure_inference, training_step
 
 MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled",
@@ -88,6 +93,48 @@ def bench_modes(names, batch: int = 128, repeats: int = 5, modes=DEFAULT_MODES) 
     return rows
 
 
+class _NoStep:
+    """An optimizer that does nothing: the forward + backward baseline of ``optimizer_costs``."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+
+def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch: int = 128, repeats: int = 5,
+                    precisions=("32", "bf16-mixed")) -> list[dict]:
+    """Per precision and optimizer: ``step_ms`` (forward, cross-entropy, backward and the optimizer's step),
+    ``optimizer_ms`` (what the optimizer's step adds to forward + backward alone), ``optimizer_share`` (that over
+    the whole step) and ``vs_adamw`` (AdamW's step time over this one's: the throughput a run keeps with it); the
+    model in the memory format train.py uses, the steps interleaved. Muon's iteration runs in ``muon_dtype``, the
+    dtype a run picks on this machine."""
+    muon_dtype = resolve_muon_dtype("auto", "cpu")
+    model = create_model(name)
+    x = torch.randn(batch, 3, *_img_size(model))
+    if name.startswith(("resnet", "hybrid")):
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+
+    def build(optimizer: str) -> Callable:
+        def make(trained: nn.Module):
+            head = {id(p) for p in trained.get_classifier().parameters()}
+            return build_optimizer(optimizer, param_groups(trained, 2e-3, 0.05), 2e-3, momentum=0.95,
+                                   muon_exclude=head, muon_dtype=muon_dtype)
+        return make
+
+    candidates = {"none": lambda trained: _NoStep(), **{o: build(o) for o in dict.fromkeys(("adamw", *optimizers))}}
+    rows = []
+    for precision in precisions:
+        seconds = optimizer_step_seconds(model, x, candidates, precision, repeats=repeats)
+        for optimizer in optimizers:
+            step, added = seconds[optimizer], seconds[optimizer] - seconds["none"]
+            rows.append({"model": name, "precision": precision, "optimizer": optimizer, "muon_dtype": muon_dtype,
+                         "batch": batch, "step_ms": 1000 * step, "optimizer_ms": 1000 * added,
+                         "optimizer_share": added / step, "vs_adamw": seconds["adamw"] / step})
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["hybrid_tiny", "vit_tiny"], help="registered model names")
@@ -95,11 +142,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per mode (medians are reported)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
                    help="ways of running to measure (fp32 is always measured: the ratios are against it)")
+    p.add_argument("--optimizers", nargs="*", choices=OPTIMIZERS, default=["adamw", "muon", "muon_conv"],
+                   help="optimizers whose step's share of a training step to measure (none: skip)")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
     rows = bench_modes(args.models, args.batch, args.repeats, ("fp32", *(m for m in args.modes if m != "fp32")))
+    optimizer_rows = [row for name in args.models if args.optimizers
+                      for row in optimizer_costs(name, args.optimizers, args.batch, args.repeats)]
     result = {"machine": machine_name(), "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "rows": rows, "optimizer_rows": optimizer_rows}
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,5 +1,6 @@
 """Device choices for a run: which accelerator and precision ``auto`` means here (on a CPU with native bf16, the
-precision measured faster for the run's model), and a device sync for timings."""
+precision measured faster for the run's model), whether the device computes bf16 natively (``ZOO_NATIVE_BF16``
+overrides the CPU detection) and so which dtype Muon's iteration runs in, and a device sync for timings."""
 
 from __future__ import annotations
 
@@ -48,9 +49,18 @@ def interleaved_medians(candidates: dict[str, Callable[[], object]], device: tor
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+NATIVE_BF16_ENV = "ZOO_NATIVE_BF16"  # 0 | 1: overrides the CPU detection, so any machine can play either kind
+
+
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), read from the kernel's CPU flags. Without
-    them torch still runs bf16, emulated, and slower than fp32 (oneDNN's "bf16 supported" says only that)."""
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), read from the kernel's CPU flags, unless
+    ``ZOO_NATIVE_BF16`` is 0 or 1. Without them torch still runs bf16, emulated, and far slower than fp32
+    (oneDNN's "bf16 supported" says only that it runs). A ``ZOO_NATIVE_BF16`` of another value -> ValueError."""
+    forced = os.environ.get(NATIVE_BF16_ENV, "").strip()
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{NATIVE_BF16_ENV} must be 0 or 1 (or unset: detect), got {forced!r}")
+        return forced == "1"
     try:
         flags = next((line.split(":", 1)[1].split() for line in Path(cpuinfo).read_text().splitlines()
                       if line.startswith("flags")), [])
@@ -59,10 +69,27 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
+def native_bf16(accelerator: str) -> bool:
+    """Whether the run's device computes bf16 natively: on a CPU ``cpu_has_native_bf16``; on a GPU torch's check
+    without emulation (``is_bf16_supported()`` alone says yes on GPUs that only emulate it, a T4 or a V100)."""
+    if accelerator == "gpu":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    return cpu_has_native_bf16()
+
+
+def resolve_muon_dtype(setting: str, accelerator: str) -> str:
+    """The dtype of Muon's Newton-Schulz iteration: ``setting`` ("float32" / "bfloat16"), or for "auto"
+    bfloat16 where the device computes it natively and float32 elsewhere, whatever the run's precision: the
+    iteration is matmuls only, and emulated bf16 costs up to 160x fp32 on a CPU without it."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if native_bf16(accelerator) else "float32"
+
+
 def resolve_precision(precision: str, accelerator: str,
                       faster: Callable[[tuple[str, ...]], str] | None = None) -> str:
-    """``auto`` -> bf16-mixed on GPUs that support it, 16-mixed on other GPUs; on a CPU without native bf16
-    (``cpu_has_native_bf16``) 32, and with it ``faster(("32", "bf16-mixed"))``, the one measured faster for the
+    """``auto`` -> bf16-mixed on GPUs that compute it natively, 16-mixed on other GPUs; on a CPU without native
+    bf16 (``cpu_has_native_bf16``) 32, and with it ``faster(("32", "bf16-mixed"))``, the one measured faster for the
     model at hand (``zoo.train.fit`` passes ``faster_precision`` on the run's model), or bf16-mixed when no
     ``faster`` is given. Why measure (BENCHMARKS.md, ``zoo.bench.modes``): on an Ice Lake CPU without native bf16,
     emulated bf16 is 1.6-3x slower; on a Zen 5 with avx512_bf16 every model measured trained 1.3-2.3x faster in
@@ -70,8 +97,8 @@ def resolve_precision(precision: str, accelerator: str,
     if precision != "auto":
         return precision
     if accelerator == "gpu":
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-    if not cpu_has_native_bf16():
+        return "bf16-mixed" if native_bf16("gpu") else "16-mixed"
+    if not native_bf16("cpu"):
         return "32"
     return faster(("32", "bf16-mixed")) if faster is not None else "bf16-mixed"
 

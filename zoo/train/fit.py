@@ -6,14 +6,12 @@ fractions in [0, 1])."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
@@ -26,10 +24,10 @@ from ..atomic import atomic_write_json
 from ..models import create_model, model_info
 from .callbacks import Throughput, TimeBudget
 from .data import ImageDataModule
-from .data.cache import user_cache_dir
-from .device import faster_precision, machine_name, remembered_choice, resolve_accelerator, resolve_precision
+from .device import machine_name, resolve_accelerator, resolve_muon_dtype, resolve_precision
 from .module import ImageClassifier
 from .optim import ema_avg_fn
+from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
 from .recipe import Recipe, parse_max_time
 from .runs import (
     AtomicCheckpointIO,
@@ -37,12 +35,11 @@ from .runs import (
     check_resume_data,
     create_run_dir,
     find_run_dir,
-    recorded_precision,
+    recorded_choice,
     remove_failed_run,
 )
 from .warmstart import init_from, match_init
 
-PRECISION_FILE = "precision-choices.json"  # --precision auto's measurements, in the cache directory
 WHITENING_IMAGES = 5000  # training images whose patches set the whitening filters (airbench uses 5,000)
 
 
@@ -53,6 +50,8 @@ class RunPlan:
     recipe: Recipe
     accelerator: str            # "cpu" or "gpu" ("auto" resolved)
     precision: str              # "32", "bf16-mixed" or "16-mixed" ("auto" resolved)
+    optimizer: str              # the recipe's, or the cheaper one its optimizer_min_speed measured
+    muon_dtype: str             # "float32" or "bfloat16" ("auto" resolved for the device)
     run_dir: Path
     resume_from: Path | None    # checkpoints/last.ckpt of a resumed run, else None
     setup_s: float = 0.0        # seconds the run spent before its model was built (the precision probe)
@@ -79,13 +78,20 @@ def fit(recipe: Recipe) -> Path:
                    allow_partial=recipe.init_partial)
     start = time.perf_counter()
     one_process = recipe.devices in ("auto", 1) and recipe.num_nodes == 1  # DDP ranks must not choose apart
-    precision = recipe.precision
-    if precision == "auto" and resume_from is not None:  # a resumed run keeps the precision it started in
-        precision = recorded_precision(run_dir, accelerator)
+    precision, muon_dtype, optimizer = recipe.precision, recipe.muon_dtype, recipe.optimizer
+    if resume_from is not None:  # a resumed run keeps the choices it started with (config.yaml records them)
+        precision = recorded_choice(run_dir, "precision", precision, accelerator)
+        muon_dtype = recorded_choice(run_dir, "muon_dtype", muon_dtype, accelerator)
+        optimizer = recorded_choice(run_dir, "optimizer", optimizer, accelerator)
     precision = resolve_precision(precision, accelerator,
                                   (lambda options: probe_precision(recipe, options)) if one_process else None)
-    created = create_run_dir(replace(recipe, precision=precision), run_dir)
-    plan = RunPlan(recipe, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
+    muon_dtype = resolve_muon_dtype(muon_dtype, accelerator)
+    if resume_from is None and one_process and accelerator == "cpu":
+        optimizer = probe_optimizer(recipe, precision, muon_dtype)
+    resolved = replace(recipe, precision=precision, muon_dtype=muon_dtype, optimizer=optimizer)
+    created = create_run_dir(resolved, run_dir)
+    plan = RunPlan(resolved, accelerator, precision, optimizer, muon_dtype, run_dir, resume_from,
+                   time.perf_counter() - start)
     try:
         return train_and_test(plan, dm)
     except BaseException:
@@ -126,43 +132,6 @@ def build_datamodule(recipe: Recipe) -> ImageDataModule:
     return dm
 
 
-def model_args(recipe: Recipe) -> dict:
-    """``create_model``'s keyword arguments for the recipe's model (every zoo model takes img_size)."""
-    return {**recipe.model_args, "img_size": recipe.img_size}
-
-
-def uses_channels_last(recipe: Recipe) -> bool:
-    """The recipe's memory format; "auto": channels_last for the conv models (measured faster on CPU too)."""
-    if recipe.channels_last == "auto":
-        return recipe.model.startswith(("resnet", "hybrid"))
-    return bool(recipe.channels_last)
-
-
-def probe_precision(recipe: Recipe, precisions: tuple[str, ...]) -> str:
-    """Which of ``precisions`` trains the recipe's model faster on this CPU (``device.faster_precision`` on a new
-    model, random images of the recipe's batch size, in the memory format the run uses); printed. Measured once
-    per machine, torch, thread count, model, model arguments, image and batch size, then remembered in
-    ``PRECISION_FILE`` in the cache directory (``device.remembered_choice``): a timing near a tie could otherwise
-    choose differently from run to run, and two runs with one seed would not be the same run."""
-    channels_last = uses_channels_last(recipe)
-    key = json.dumps([recipe.model, model_args(recipe), recipe.batch_size, channels_last, list(precisions),
-                      machine_name(), torch.__version__, torch.get_num_threads()], sort_keys=True)
-
-    def measure() -> str:
-        model = create_model(recipe.model, **model_args(recipe))
-        x = torch.randn(recipe.batch_size, getattr(model, "in_chans", 3), recipe.img_size, recipe.img_size)
-        if channels_last:
-            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-        return faster_precision(model, x, precisions)
-
-    path = (Path(recipe.cache_dir) if recipe.cache_dir else user_cache_dir()) / PRECISION_FILE
-    chosen, measured = remembered_choice(path, key, measure)
-    when = "measured now" if measured else "measured before"
-    print(f"--precision auto: {chosen} for {recipe.model} on this CPU ({when}; remembered in {path}, delete it to "
-          "measure again)")
-    return chosen
-
-
 def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
     """The LightningModule around ``zoo.create_model``; a new run computes its patch-whitening filters (if the
     model has any) from the training images, and one with ``init_from`` starts from those weights."""
@@ -171,8 +140,8 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
         recipe.model, model_args(recipe), num_classes=dm.num_classes, lr=recipe.lr, weight_decay=recipe.weight_decay,
         warmup_frac=min(recipe.warmup_epochs / max(recipe.epochs, 1), 1.0), min_lr_ratio=recipe.min_lr_ratio,
         label_smoothing=recipe.label_smoothing, channels_last=uses_channels_last(recipe), compile=recipe.compile,
-        optimizer=recipe.optimizer, momentum=recipe.momentum, no_decay_lr_scale=recipe.no_decay_lr_scale,
-        schedule=recipe.schedule, tta=recipe.tta)
+        optimizer=plan.optimizer, muon_dtype=plan.muon_dtype, momentum=recipe.momentum,
+        no_decay_lr_scale=recipe.no_decay_lr_scale, schedule=recipe.schedule, tta=recipe.tta)
     # a resumed run's checkpoint holds its filters; fit_whitening=false keeps the random ones (the ablation)
     if plan.resume_from is None and module.whitening_layers and recipe.fit_whitening:
         module.fit_whitening(dm.normalize(dm.train_dataset.images[:WHITENING_IMAGES]))

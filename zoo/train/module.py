@@ -14,6 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..layers.whitening import PatchWhitening
 from ..models import compile_regions, create_model
+from .device import resolve_muon_dtype
 from .optim import WarmupCosine, WarmupDecay, build_optimizer, param_groups
 from .tta import tta_logits
 
@@ -38,6 +39,8 @@ class ImageClassifier(pl.LightningModule):
         optimizer: "adamw", "sgd" (Nesterov, ``momentum``), "muon" (``optim.MuonAdamW``: Muon on the 2-D
             weights but the classifier's) or "muon_conv" (and on the conv filters); ``no_decay_lr_scale``
             multiplies the rate of norms, biases and the model's ``no_weight_decay()`` parameters.
+        muon_dtype: "float32" or "bfloat16", the dtype of Muon's Newton-Schulz iteration; "auto": bfloat16 where
+            the device computes it natively (``zoo.train.device.resolve_muon_dtype``), else float32.
         schedule: "cosine" or "linear" decay after the warm-up.
         compile: True compiles the whole model (``Module.compile``), "regions" each CBAM and transformer block
             (``zoo.models.compile_regions``: seconds to compile, the convolutions stay eager).
@@ -51,7 +54,8 @@ class ImageClassifier(pl.LightningModule):
                  lr: float = 1e-3, weight_decay: float = 0.05, warmup_frac: float = 0.05,
                  min_lr_ratio: float = 0.01, label_smoothing: float = 0.0, channels_last: bool = False,
                  compile: bool | str = False, nan_check_every: int | None = None, optimizer: str = "adamw",
-                 momentum: float = 0.9, no_decay_lr_scale: float = 1.0, schedule: str = "cosine", tta: int = 0):
+                 momentum: float = 0.9, no_decay_lr_scale: float = 1.0, schedule: str = "cosine", tta: int = 0,
+                 muon_dtype: str = "auto"):
         super().__init__()
         self.save_hyperparameters()
         self.model = create_model(model_name, num_classes=num_classes, **(model_args or {}))
@@ -136,9 +140,11 @@ class ImageClassifier(pl.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         groups = param_groups(self.model, hp.lr, hp.weight_decay, hp.no_decay_lr_scale)
+        accelerator = "gpu" if self.device.type == "cuda" else "cpu"
         head = self.model.get_classifier()  # timm's API, which every zoo model has: Muon leaves the head to AdamW
         optimizer = build_optimizer(hp.optimizer, groups, hp.lr, momentum=hp.momentum,
-                                    fused=self.device.type == "cuda", muon_exclude={id(p) for p in head.parameters()})
+                                    fused=self.device.type == "cuda", muon_exclude={id(p) for p in head.parameters()},
+                                    muon_dtype=resolve_muon_dtype(hp.muon_dtype, accelerator))
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = WarmupDecay(round(total * hp.warmup_frac), total, hp.min_lr_ratio, hp.schedule)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

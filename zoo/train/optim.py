@@ -11,6 +11,7 @@ import math
 import torch
 from timm.optim import param_groups_weight_decay
 from torch import nn
+from torch.optim._muon import _adjust_lr
 
 OPTIMIZERS = ("adamw", "sgd", "muon", "muon_conv")
 SCHEDULES = ("cosine", "linear")
@@ -79,15 +80,42 @@ def _matrix(tensor: torch.Tensor, like: torch.Tensor, view: bool) -> torch.Tenso
     return tensor.view(tensor.shape[0], -1) if view else tensor.reshape(tensor.shape[0], -1)
 
 
+MUON_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def newton_schulz(updates: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration (Keller Jordan's coefficients, as torch's Muon) on a stack of
+    same-shape matrices ``(k, m, n)`` at once, computed in ``dtype``: each matrix is scaled to Frobenius norm 1,
+    then ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, ``steps`` times, on the wide orientation (a tall
+    matrix is iterated as its transpose). Returns ``(k, m, n)`` in ``dtype``: ~ U S' V^T of each input."""
+    a, b, c = coefficients
+    x = updates.to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
 class FilterMuon(torch.optim.Muon):
     """torch's Muon on parameters of two or more dimensions, each updated as the matrix (shape[0], the rest):
-    Keller Jordan's rule for conv filters (airbench's Muon). 2-D parameters get exactly torch's Muon; the
-    momentum buffer of a filter is kept as its matrix."""
+    Keller Jordan's rule for conv filters (airbench's Muon). The update is torch's Muon's (Nesterov momentum,
+    decoupled weight decay, its learning-rate adjustment per shape), but the Newton-Schulz iteration runs once
+    per shape over all same-shape matrices of a group (``newton_schulz``, batched as the CIFAR speedruns do),
+    in ``ns_dtype`` rather than torch's fixed bf16: float32 on a device that only emulates bf16. The momentum
+    buffer of a filter is kept as its matrix."""
 
-    def __init__(self, params, lr: float, *, momentum: float = 0.95):
+    def __init__(self, params, lr: float, *, momentum: float = 0.95, ns_dtype: torch.dtype = torch.bfloat16):
         # torch's Muon checks its settings, then refuses tensors that are not 2-D: take the checked defaults
         defaults = torch.optim.Muon([torch.zeros(1, 1)], lr=lr, momentum=momentum, nesterov=True,
                                     adjust_lr_fn="match_rms_adamw").defaults
+        if ns_dtype not in MUON_DTYPES.values():
+            raise ValueError(f"ns_dtype must be torch.float32 or torch.bfloat16, got {ns_dtype!r}")
+        self.ns_dtype = ns_dtype  # not a group setting: a checkpoint resumed elsewhere takes the new device's
         torch.optim.Optimizer.__init__(self, params, defaults)
 
     def _init_group(self, group, params_with_grad, grads, muon_momentum_bufs) -> bool:
@@ -102,6 +130,32 @@ class FilterMuon(torch.optim.Muon):
             muon_momentum_bufs.append(state["momentum_buffer"])
         return False  # no complex parameters
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            self._init_group(group, params, grads, buffers)
+            if not params:
+                continue
+            lr, momentum = group["lr"], group["momentum"]
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)
+            updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            by_shape: dict[tuple[int, ...], list[int]] = {}
+            for i, update in enumerate(updates):
+                by_shape.setdefault(tuple(update.shape), []).append(i)
+            for shape, members in by_shape.items():
+                ortho = newton_schulz(torch.stack([updates[i] for i in members]), group["ns_steps"],
+                                      group["ns_coefficients"], group["eps"], self.ns_dtype)
+                rate = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape))
+                for i, matrix in zip(members, ortho.unbind(0), strict=True):
+                    params[i].add_(matrix, alpha=-rate)
+        return loss
+
 
 class MuonAdamW(torch.optim.Optimizer):
     """One optimizer over two: ``FilterMuon`` (torch's Muon: Nesterov ``momentum``, its ``"match_rms_adamw"`` rate
@@ -111,8 +165,8 @@ class MuonAdamW(torch.optim.Optimizer):
     round-trip both."""
 
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float, *, momentum: float = 0.95,
-                 fused: bool = False):
-        self.muon = FilterMuon(muon_groups, lr=lr, momentum=momentum)
+                 fused: bool = False, ns_dtype: torch.dtype = torch.bfloat16):
+        self.muon = FilterMuon(muon_groups, lr=lr, momentum=momentum, ns_dtype=ns_dtype)
         self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, fused=fused)
         super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
         self._share()
@@ -138,16 +192,20 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(name: str, groups: list[dict], lr: float, *, momentum: float = 0.9,
-                    fused: bool = False, muon_exclude: set[int] = frozenset()) -> torch.optim.Optimizer:
+                    fused: bool = False, muon_exclude: set[int] = frozenset(),
+                    muon_dtype: str = "bfloat16") -> torch.optim.Optimizer:
     """AdamW (torch's defaults otherwise), SGD with Nesterov ``momentum``, or ``MuonAdamW`` (the 2-D
-    weights not in ``muon_exclude`` on Muon; ``muon_conv``: the conv filters too), over ``groups``."""
+    weights not in ``muon_exclude`` on Muon; ``muon_conv``: the conv filters too; its iteration in
+    ``muon_dtype``, "float32" or "bfloat16"), over ``groups``."""
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, fused=fused)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, fused=fused)
     if name in ("muon", "muon_conv"):
         split = muon_split(groups, muon_exclude, filters=name == "muon_conv")
-        return MuonAdamW(*split, lr, momentum=momentum, fused=fused)
+        if muon_dtype not in MUON_DTYPES:
+            raise ValueError(f"muon_dtype must be one of {tuple(MUON_DTYPES)}, got {muon_dtype!r}")
+        return MuonAdamW(*split, lr, momentum=momentum, fused=fused, ns_dtype=MUON_DTYPES[muon_dtype])
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from .data import DEFAULT_AUGMENT
-from .optim import OPTIMIZERS, SCHEDULES
+from .optim import MUON_DTYPES, OPTIMIZERS, SCHEDULES
 from .tta import TTA_LEVELS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"   # zoo/configs, shipped in the wheel
@@ -81,6 +81,13 @@ def _unit_interval(key: str, value) -> float:
     value = _number(key, value)
     if value >= 1:
         raise ValueError(f"{key} must lie in [0, 1), got {value!r}")
+    return value
+
+
+def _fraction(key: str, value) -> float:
+    value = _number(key, value)
+    if not 0 < value <= 1:
+        raise ValueError(f"{key} must lie in (0, 1], got {value!r}")
     return value
 
 
@@ -193,6 +200,12 @@ class Recipe:
     eval_batch_size: int | None = _field(None, "validation / test batch size (null: batch_size)",
                                          _optional(_integer(1)))
     optimizer: str = _field("adamw", "adamw, sgd, muon (2-D; AdamW on the rest), muon_conv", _choice(OPTIMIZERS))
+    optimizer_min_speed: float | None = _field(
+        None, "keep a Muon optimizer only if a training step with it runs at >= this fraction of AdamW's speed "
+        "here (measured once per machine and model); else Muon on fewer tensors, else AdamW (null: always keep)",
+        _optional(_fraction))
+    muon_dtype: str = _field("auto", "dtype of Muon's iteration: auto (bfloat16 where the device computes it "
+                             "natively, else float32), float32 or bfloat16", _choice(("auto", *MUON_DTYPES)))
     lr: float = _field(1e-3, "peak learning rate", _number)
     momentum: float = _field(0.9, "SGD's / Muon's Nesterov momentum", _number)
     weight_decay: float = _field(0.05, "weight decay (not on norms, biases, position embeddings)", _number)

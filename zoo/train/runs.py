@@ -21,7 +21,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from ..atomic import atomic_write, atomic_write_csv
 from ..models.checkpoints import load_checkpoint
-from .recipe import PRECISIONS, Recipe
+from .recipe import Recipe
 
 RUN_DIR_ENV = "ZOO_RUN_DIR"  # the run directory rank 0 chose, inherited by the processes DDP launches
 
@@ -173,15 +173,18 @@ def create_run_dir(recipe: Recipe, run_dir: Path) -> Path | None:
     return created
 
 
-def recorded_precision(run_dir: Path, accelerator: str) -> str:
-    """The precision a run's config.yaml records (``fit`` writes the one ``auto`` resolved to), or "auto" when it
-    records none or no valid one, cannot be read, or records fp16 AMP and the run now resumes on a CPU (Lightning
-    has none there)."""
+def recorded_choice(run_dir: Path, key: str, default: str, accelerator: str) -> str:
+    """What a run's config.yaml records under ``key`` (``fit`` writes what ``auto`` and the probes resolved to:
+    precision, muon_dtype, optimizer), or ``default`` when it records none or no valid one, cannot be read, or
+    records fp16 AMP and the run now resumes on a CPU (Lightning has none there)."""
     try:
-        precision = str((yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("precision", "auto"))
-    except (OSError, yaml.YAMLError, AttributeError):
-        return "auto"
-    return "auto" if precision not in PRECISIONS or precision == "16-mixed" and accelerator != "gpu" else precision
+        recorded = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get(key)
+        Recipe.from_dict({key: recorded})  # the recipe's own check of the value
+    except (OSError, yaml.YAMLError, AttributeError, ValueError):
+        return default
+    if recorded is None or key == "precision" and str(recorded) == "16-mixed" and accelerator != "gpu":
+        return default
+    return str(recorded)
 
 
 def remove_failed_run(run_dir: Path, created: Path | None) -> None:

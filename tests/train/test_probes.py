@@ -1,0 +1,77 @@
+"""The optimizer probe: the rule on scripted step times, a real measurement in which a deliberately slow
+optimizer loses, and through train.py: the choice printed, recorded in config.yaml, remembered for the next run
+and kept by a resumed one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import train
+from zoo.train import probes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("seconds, expected", [
+    ({"muon_conv": 1.05, "muon": 1.02, "adamw": 1.0}, "muon_conv"),   # 0.95x: kept
+    ({"muon_conv": 1.20, "muon": 1.05, "adamw": 1.0}, "muon"),        # 0.83x: Muon on the matrices only
+    ({"muon_conv": 1.50, "muon": 1.20, "adamw": 1.0}, "adamw"),
+    ({"muon_conv": 1.0 / 0.9, "muon": 1.5, "adamw": 1.0}, "muon_conv"),  # exactly the minimum speed
+])
+def test_affordable_optimizer_keeps_the_first_fast_enough(seconds, expected):
+    assert probes.affordable_optimizer(seconds, ("muon_conv", "muon"), 0.9) == expected
+
+
+def test_step_seconds_time_whole_steps_with_each_optimizer():
+    class Slow(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.05)
+            return super().step(closure)
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 10))
+    seconds = probes.optimizer_step_seconds(
+        model, torch.randn(4, 3, 2, 2),
+        {"slow": lambda m: Slow(m.parameters(), lr=0.1), "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1)},
+        "32", repeats=2)
+    assert seconds["slow"] > seconds["sgd"] + 0.04
+    assert probes.affordable_optimizer({"adamw": seconds["sgd"], **seconds}, ("slow",), 0.9) == "adamw"
+    assert all(p.grad is None for p in model.parameters())  # copies trained, not the model
+
+
+def test_train_records_the_measured_optimizer_and_a_resumed_run_keeps_it(cifar_dir, tmp_path, capsys, monkeypatch):
+    timed = []
+
+    def scripted(model, x, optimizers, precision, repeats=3):
+        timed.append((tuple(optimizers), precision))
+        return {"muon_conv": 1.3, "muon": 1.05, "adamw": 1.0}
+
+    monkeypatch.setenv("ZOO_NATIVE_BF16", "0")
+    monkeypatch.setattr(probes, "optimizer_step_seconds", scripted)
+    cache = tmp_path / "cache"
+    args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--data-dir", str(cifar_dir), "--cache-dir",
+            str(cache), "--max-train-images", "64", "--max-test-images", "16", "--set", "val_size=16", "--epochs", "1",
+            "--batch-size", "16", "--limit-train-batches", "1", "--limit-val-batches", "1", "--limit-test-batches", "1",
+            "--set", "optimizer=muon_conv", "--set", "optimizer_min_speed=0.9"]
+    runs = []
+    for i in range(2):
+        assert train.main([*args, "--out", str(tmp_path / str(i))]) == 0
+        out = capsys.readouterr().out
+        assert "optimizer muon_conv (min speed 0.9 of adamw's): muon" in out
+        runs.append(Path(out.strip().splitlines()[-1]))
+        config = yaml.safe_load((runs[-1] / "config.yaml").read_text())
+        assert (config["optimizer"], config["muon_dtype"], config["precision"]) == ("muon", "float32", "32")
+    assert timed == [(("muon_conv", "muon", "adamw"), "32")]  # measured once, remembered for the second run
+
+    (cache / probes.PRECISION_FILE).unlink()
+    monkeypatch.setattr(probes, "optimizer_step_seconds", lambda *a, **k: pytest.fail("a resumed run measured again"))
+    monkeypatch.setenv("ZOO_NATIVE_BF16", "1")  # another machine: the run keeps the choices it started with
+    assert train.main([*args, "--out", str(tmp_path / "0"), "--resume", str(runs[0]), "--epochs", "2"]) == 0
+    capsys.readouterr()
+    ckpt = torch.load(runs[0] / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert ckpt["hyper_parameters"]["optimizer"] == "muon" and ckpt["hyper_parameters"]["muon_dtype"] == "float32"
+    assert ckpt["global_step"] == 2

@@ -1,0 +1,122 @@
+"""Choices a run measures on this machine before it trains, each measured once per machine, torch, thread count and
+model shape, then remembered in ``PRECISION_FILE`` in the cache directory (``device.remembered_choice``): a timing
+near a tie could otherwise choose differently from run to run, and two runs with one seed would not be the same run.
+
+- ``probe_precision``: fp32 or bf16-mixed, whichever trains the recipe's model faster (``--precision auto`` on a CPU
+  with native bf16).
+- ``probe_optimizer``: the recipe's Muon optimizer unless its optimizer step makes a training step slower than
+  ``optimizer_min_speed`` times AdamW's speed; then Muon on fewer tensors (``muon_conv`` -> ``muon``), then AdamW.
+  Muon's Newton-Schulz iteration costs ~3 GFLOP per 256 x 2304 filter per step: negligible beside a GPU's step,
+  but on a CPU it can cost more than it gains in a time budget."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models import create_model
+from .data.cache import user_cache_dir
+from .device import faster_precision, interleaved_medians, machine_name, remembered_choice
+from .optim import build_optimizer, param_groups
+from .recipe import Recipe
+
+PRECISION_FILE = "precision-choices.json"  # the remembered measurements, in the cache directory
+OPTIMIZER_FALLBACKS = {"muon_conv": ("muon", "adamw"), "muon": ("adamw",)}  # cheaper, in order
+
+
+def model_args(recipe: Recipe) -> dict:
+    """``create_model``'s keyword arguments for the recipe's model (every zoo model takes img_size)."""
+    return {**recipe.model_args, "img_size": recipe.img_size}
+
+
+def uses_channels_last(recipe: Recipe) -> bool:
+    """The recipe's memory format; "auto": channels_last for the conv models (measured faster on CPU too)."""
+    if recipe.channels_last == "auto":
+        return recipe.model.startswith(("resnet", "hybrid"))
+    return bool(recipe.channels_last)
+
+
+def _probe_inputs(recipe: Recipe) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A new model of the recipe and a random batch of its size, in the memory format the run uses."""
+    model = create_model(recipe.model, **model_args(recipe))
+    x = torch.randn(recipe.batch_size, getattr(model, "in_chans", 3), recipe.img_size, recipe.img_size)
+    if uses_channels_last(recipe):
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    return model, x
+
+
+def _remembered(recipe: Recipe, what: list, measure: Callable[[], str], label: str) -> str:
+    """``measure()``'s choice, remembered under the recipe's model shape plus ``what``; printed with ``label``."""
+    key = json.dumps([recipe.model, model_args(recipe), recipe.batch_size, uses_channels_last(recipe), *what,
+                      machine_name(), torch.__version__, torch.get_num_threads()], sort_keys=True)
+    path = (Path(recipe.cache_dir) if recipe.cache_dir else user_cache_dir()) / PRECISION_FILE
+    chosen, measured = remembered_choice(path, key, measure)
+    when = "measured now" if measured else "measured before"
+    print(f"{label}: {chosen} for {recipe.model} on this CPU ({when}; remembered in {path}, delete it to "
+          "measure again)")
+    return chosen
+
+
+def probe_precision(recipe: Recipe, precisions: tuple[str, ...]) -> str:
+    """Which of ``precisions`` trains the recipe's model faster on this CPU (``device.faster_precision``)."""
+    return _remembered(recipe, [list(precisions)], lambda: faster_precision(*_probe_inputs(recipe), precisions),
+                       "--precision auto")
+
+
+def optimizer_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: dict[str, Callable],
+                           precision: str, repeats: int = 3) -> dict[str, float]:
+    """Median seconds of one whole training step (forward, cross-entropy, backward, optimizer step) with each
+    optimizer, ``optimizers[name](model)`` building it on a copy of ``model``; interleaved, after one untimed step
+    each. ``precision``: "32" or "bf16-mixed" (CPU autocast)."""
+    targets = torch.randint(0, 10, (x.shape[0],), generator=torch.Generator().manual_seed(0))
+
+    def step_with(build: Callable) -> Callable[[], None]:
+        trained = copy.deepcopy(model).train()
+        optimizer = build(trained)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+                logits = trained(x)
+            F.cross_entropy(logits.float(), targets % logits.shape[-1]).backward()
+            optimizer.step()
+        return step
+
+    return interleaved_medians({name: step_with(build) for name, build in optimizers.items()}, repeats=repeats)
+
+
+def affordable_optimizer(seconds: dict[str, float], preferred: tuple[str, ...], min_speed: float) -> str:
+    """The first of ``preferred`` whose step is at most ``1 / min_speed`` times AdamW's (``seconds["adamw"]``),
+    else AdamW."""
+    return next((name for name in preferred if seconds["adamw"] >= min_speed * seconds[name]), "adamw")
+
+
+def probe_optimizer(recipe: Recipe, precision: str, muon_dtype: str) -> str:
+    """The recipe's optimizer, or the cheaper one ``affordable_optimizer`` picks when ``optimizer_min_speed`` is
+    set and the optimizer has cheaper fallbacks (``OPTIMIZER_FALLBACKS``); measured in the run's precision with
+    Muon's iteration in ``muon_dtype``."""
+    fallbacks = OPTIMIZER_FALLBACKS.get(recipe.optimizer)
+    if recipe.optimizer_min_speed is None or not fallbacks:
+        return recipe.optimizer
+    candidates = (recipe.optimizer, *fallbacks)
+
+    def build(name: str) -> Callable:
+        def make(model: torch.nn.Module) -> torch.optim.Optimizer:
+            groups = param_groups(model, recipe.lr, recipe.weight_decay, recipe.no_decay_lr_scale)
+            head = {id(p) for p in model.get_classifier().parameters()}
+            return build_optimizer(name, groups, recipe.lr, momentum=recipe.momentum, muon_exclude=head,
+                                   muon_dtype=muon_dtype)
+        return make
+
+    def measure() -> str:
+        model, x = _probe_inputs(recipe)
+        seconds = optimizer_step_seconds(model, x, {name: build(name) for name in candidates}, precision)
+        return affordable_optimizer(seconds, candidates[:-1], recipe.optimizer_min_speed)
+
+    return _remembered(recipe, ["optimizer", list(candidates), recipe.optimizer_min_speed, precision, muon_dtype],
+                       measure, f"optimizer {recipe.optimizer} (min speed {recipe.optimizer_min_speed} of adamw's)")
