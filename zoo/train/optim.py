@@ -88,7 +88,7 @@ def newton_schulz(updates: torch.Tensor, steps: int, coefficients: tuple[float, 
     """Muon's quintic Newton-Schulz iteration (Keller Jordan's coefficients, as torch's Muon) on a stack of
     same-shape matrices ``(k, m, n)`` at once, computed in ``dtype``: each matrix is scaled to Frobenius norm 1,
     then ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, ``steps`` times, on the wide orientation (a tall
-    matrix is iterated as its transpose). Returns ``(k, m, n)`` in ``dtype``: ~ U S' V^T of each input."""
+    stack is iterated as its transpose). Returns ``(k, m, n)`` in ``dtype``: ~ U S' V^T of each input."""
     a, b, c = coefficients
     x = updates.to(dtype)
     tall = x.size(-2) > x.size(-1)
@@ -101,11 +101,17 @@ def newton_schulz(updates: torch.Tensor, steps: int, coefficients: tuple[float, 
     return x.mT if tall else x
 
 
+def _wide(matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix`` in its wide orientation (a view): the iteration runs there, so (m, n) and (n, m) batch as one."""
+    return matrix.mT if matrix.size(-2) > matrix.size(-1) else matrix
+
+
 class FilterMuon(torch.optim.Muon):
     """torch's Muon on parameters of two or more dimensions, each updated as the matrix (shape[0], the rest):
     Keller Jordan's rule for conv filters (airbench's Muon). The update is torch's Muon's (Nesterov momentum,
     decoupled weight decay, its learning-rate adjustment per shape), but the Newton-Schulz iteration runs once
-    per shape over all same-shape matrices of a group (``newton_schulz``, batched as the CIFAR speedruns do),
+    per shape over all matrices of a group with that shape or its transpose (``newton_schulz``, batched as the
+    CIFAR speedruns do),
     in ``ns_dtype`` rather than torch's fixed bf16: float32 on a device that only emulates bf16. The momentum
     buffer of a filter is kept as its matrix."""
 
@@ -145,15 +151,15 @@ class FilterMuon(torch.optim.Muon):
             torch._foreach_lerp_(buffers, grads, 1 - momentum)
             updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            by_shape: dict[tuple[int, ...], list[int]] = {}
+            by_shape: dict[tuple[int, ...], list[int]] = {}  # one iteration per wide shape: (m, n) with (n, m)
             for i, update in enumerate(updates):
-                by_shape.setdefault(tuple(update.shape), []).append(i)
-            for shape, members in by_shape.items():
-                ortho = newton_schulz(torch.stack([updates[i] for i in members]), group["ns_steps"],
+                by_shape.setdefault(tuple(_wide(update).shape), []).append(i)
+            for members in by_shape.values():
+                ortho = newton_schulz(torch.stack([_wide(updates[i]) for i in members]), group["ns_steps"],
                                       group["ns_coefficients"], group["eps"], self.ns_dtype)
-                rate = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape))
                 for i, matrix in zip(members, ortho.unbind(0), strict=True):
-                    params[i].add_(matrix, alpha=-rate)
+                    rate = _adjust_lr(lr, group["adjust_lr_fn"], params[i].shape)
+                    _wide(params[i]).add_(matrix, alpha=-rate)
         return loss
 
 
