@@ -1,5 +1,6 @@
 """Training callbacks: ``TimeBudget`` fits the step count and the learning-rate schedule to a wall-clock
-budget (``--max-time``); ``Throughput`` measures training images per second, validation excluded."""
+budget (``--max-time``); ``Throughput`` measures training images per second, validation excluded;
+``ValidationClock`` logs the fit's wall time beside each validation's scores (time to an accuracy)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,18 @@ class Throughput(pl.Callback):
     @property
     def images_per_s(self) -> float:
         return self.images / self.train_s if self.train_s > 0 else 0.0
+
+
+class ValidationClock(pl.Callback):
+    """Logs ``time/elapsed_s``, the wall seconds since the fit started (validation included, a resumed run's
+    earlier parts not), with each validation's scores: metrics.csv then says when a run first reached an accuracy."""
+
+    def __init__(self):
+        self._t0 = None
+
+    def on_train_start(self, trainer, pl_module):
+        self._t0 = time.perf_counter()
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if self._t0 is not None and not trainer.sanity_checking:
+            pl_module.log("time/elapsed_s", time.perf_counter() - self._t0, on_epoch=True)

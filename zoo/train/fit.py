@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
@@ -22,7 +23,7 @@ from lightning.pytorch.callbacks import (
 
 from ..atomic import atomic_write_json
 from ..models import create_model, model_info
-from .callbacks import Throughput, TimeBudget
+from .callbacks import Throughput, TimeBudget, ValidationClock
 from .data import ImageDataModule
 from .device import machine_name, resolve_accelerator, resolve_muon_dtype, resolve_precision
 from .module import ImageClassifier
@@ -104,6 +105,8 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
     """Fit, test the best checkpoint and write summary.json; a new run that ends before its first optimizer
     step (a time budget too small for one) -> ValueError."""
     pl.seed_everything(plan.recipe.seed, workers=True, verbose=False)
+    if plan.accelerator == "gpu":  # fp32 matmuls on tensor cores (TF32), as --precision 32 users of a GPU expect
+        torch.set_float32_matmul_precision("high")
     start = time.perf_counter()
     module = build_module(plan, dm)
     callbacks = build_callbacks(plan, spent_s=plan.setup_s + time.perf_counter() - start)
@@ -165,7 +168,7 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
     latest = ModelCheckpoint(ckpt_dir, "last", enable_version_counter=False)
     throughput = Throughput()
     callbacks = [best, steps, latest, throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
-                 LearningRateMonitor("step")]
+                 LearningRateMonitor("step"), ValidationClock()]
     if recipe.ema_decay:
         callbacks.append(WeightAveraging(avg_fn=ema_avg_fn(recipe.ema_decay)))
     if recipe.max_time:
@@ -211,4 +214,7 @@ def summarize(plan: RunPlan, trainer: pl.Trainer, callbacks: RunCallbacks, fit_s
         "label_smoothing": plan.recipe.label_smoothing,
         "num_classes": dm.num_classes, "class_names": list(dm.class_names), "img_size": dm.img_size,
         "mean": list(dm.mean), "std": list(dm.std), "machine": machine_name(plan.accelerator),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(), "optimizer": plan.optimizer,
+        "muon_dtype": plan.muon_dtype,
+        **({"peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if plan.accelerator == "gpu" else {}),
     }

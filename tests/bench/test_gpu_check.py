@@ -1,0 +1,54 @@
+"""The prepared GPU check in its dry form, on whatever device there is: every step runs (the CUDA tests are
+collected and run, skipping without a GPU; a vit_tiny run and the speedrun recipe's run) but the benchmark suite,
+whose quick form tests/bench/test_bench_suite.py runs already; the report is written in both forms, and the
+time-to-accuracy reading agrees with a metrics.csv written by hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zoo.bench.gpu_check import time_to
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_time_to_accuracy_reads_the_first_validation_past_each_target(tmp_path):
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("epoch,step,train/loss,val/top1,time/elapsed_s\n"
+                       "0,10,2.0,,\n0,49,,0.71,5.5\n1,98,,0.905,11.0\n2,147,,0.89,16.5\n3,196,,0.941,22.0\n")
+    assert time_to(metrics) == {"seconds_to_90": 11.0, "seconds_to_94": 22.0}
+    assert time_to(metrics, (0.95,)) == {"seconds_to_95": None}
+
+
+def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
+    out = tmp_path / "check"
+    done = subprocess.run([sys.executable, "-m", "zoo.bench.gpu_check", "--dry-run", "--data-dir", str(cifar_dir),
+                           "--out", str(out), "--skip", "suite"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    report = json.loads((out / "gpu_check.json").read_text())
+    failed = {k: v.get("error") for k, v in report.items() if isinstance(v, dict) and not v["ok"]}
+    assert done.returncode == 0 and not failed, (failed, done.stderr[-2000:])
+    assert report["dry_run"] is True and report["skipped"] == ["suite"] and "suite" not in report
+    assert report["cuda_tests"]["skipped" if not torch.cuda.is_available() else "passed"] >= 20
+    for step in ("vit_tiny", "speedrun"):
+        summary = json.loads((Path(report[step]["run"]) / "summary.json").read_text())
+        assert summary["test_top1"] == report[step]["test_top1"]
+    assert report["speedrun"]["data"] == "JPEG image folder" or (cifar_dir / "cifar-10-batches-py").is_dir()
+    assert set(report["speedrun"]) >= {"seconds_to_90", "seconds_to_94"}
+    text = (out / "gpu_check.md").read_text()
+    assert "## speedrun" in text and "## cuda_tests" in text
+    assert done.stdout.strip().splitlines()[-1] == str(out / "gpu_check.md")
+
+
+def test_without_a_gpu_the_real_check_refuses_in_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a CUDA GPU")
+    done = subprocess.run([sys.executable, "-m", "zoo.bench.gpu_check", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "--dry-run" in done.stderr

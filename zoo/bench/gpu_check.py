@@ -1,0 +1,202 @@
+"""The prepared GPU check: one command that, on one GPU in a few minutes, runs what only a GPU can show and writes
+one report (``gpu_check.json`` + ``gpu_check.md``):
+
+1. ``environment``: torch / CUDA versions, the GPU, native bf16, TF32;
+2. ``cuda_tests``: the CUDA-marked tests (``pytest -m cuda``: every attention backend forward and backward in
+   bf16 / fp16 against fp32, flex's backward, CBAM / hybrid under autocast, training steps under
+   ``torch.cuda.set_sync_debug_mode("error")``);
+3. ``suite``: the benchmark suite (``zoo.bench.suite.run_suite``: kernels vs timm and the floor, memory, MFU);
+4. ``vit_tiny``: a short ``train.py --model vit_tiny`` run: images/s, peak GPU memory, MFU against a large bf16
+   matmul on the same GPU;
+5. ``speedrun``: ``hybrid_tiny`` with ``configs/gpu_speedrun.yaml`` (airbench-sized batch, bf16, compiled, batched
+   Muon, TTA): wall seconds to 90% and 94% validation top-1 (94% needs the original CIFAR-10 images; a JPEG copy
+   tops out near 91% even for airbench94), and the test top-1.
+
+``--dry-run`` runs every step with tiny sizes and no timings on whatever device there is (the default test suite
+runs it on the CPU), so the check cannot rot where no GPU is at hand. A step that fails is reported with its error
+and the others still run; the exit code is 1 when any step failed.
+
+    python -m zoo.bench.gpu_check --data-dir DATA --out out/gpu_check
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout: train.py, tests/ and configs/ live here
+TARGETS = (0.90, 0.94)  # validation top-1 whose wall time the speedrun reports
+
+
+def environment() -> dict:
+    """What the numbers come from."""
+    from ..train.device import machine_name, native_bf16
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+            "machine": machine_name("gpu" if torch.cuda.is_available() else "cpu"),
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", memory_gb=props.total_memory / 2**30,
+                    native_bf16=native_bf16("gpu"))
+    return info
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` from the checkout's root, its output kept in ``log``; a non-zero exit -> RuntimeError with its tail."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:4])} ... exited {done.returncode}: {(done.stdout + done.stderr)[-600:]}")
+    return done
+
+
+def cuda_tests(out: Path, dry_run: bool) -> dict:
+    """``pytest -m cuda``; counts from its closing line. Without a GPU every test skips (the dry run checks that
+    they are collected and importable)."""
+    done = _run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+                out / "cuda_tests.log", timeout=900)
+    last = done.stdout.strip().splitlines()[-1]
+    counts = {word: int(n) for n, word in
+              (part.strip().split()[:2] for part in last.split(" in ")[0].split(",")) if n.isdigit()}
+    return {"summary": last, **counts}
+
+
+def train_run(out: Path, name: str, args: list[str], timeout: float) -> Path:
+    """``train.py`` as a user runs it; the run directory (the last line it prints)."""
+    done = _run([sys.executable, "train.py", *args, "--out", str(out / "runs")], out / f"{name}.log", timeout)
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def _data_args(data_dir: str | None, dry_run: bool) -> list[str]:
+    args = ["--data-dir", data_dir] if data_dir else []
+    if dry_run:  # a few steps on a slice of the data: the path, not the numbers
+        args += ["--max-train-images", "256", "--max-test-images", "64", "--set", "val_size=64", "--epochs", "1",
+                 "--limit-train-batches", "2", "--limit-val-batches", "1", "--limit-test-batches", "1",
+                 "--batch-size", "32"]
+    return args
+
+
+def vit_tiny(out: Path, data_dir: str | None, dry_run: bool) -> dict:
+    """A short vit_tiny run of its own recipe: throughput, peak GPU memory and MFU against a large bf16 matmul."""
+    from ..models import create_model, model_info
+    from .suite import gemm_peak_flops
+
+    budget = [] if dry_run else ["--max-time", "00:00:01:30"]
+    run = train_run(out, "vit_tiny", ["--model", "vit_tiny", *budget, *_data_args(data_dir, dry_run)], 900)
+    summary = json.loads((run / "summary.json").read_text())
+    flops = model_info(create_model("vit_tiny"))["flops"]
+    result = {"run": str(run), "precision": summary["precision"], "train_img_s": summary["train_images_per_s"],
+              "peak_memory_gb": summary.get("peak_memory_gb"), "test_top1": summary["test_top1"]}
+    if not dry_run and torch.cuda.is_available():
+        peak = gemm_peak_flops(device="cuda", dtype=torch.bfloat16)
+        result.update(matmul_peak_tflops=peak / 1e12,
+                      mfu=3 * flops * summary["train_images_per_s"] / peak)
+    return result
+
+
+def time_to(metrics_csv: Path, targets=TARGETS) -> dict:
+    """Wall seconds of the fit (``time/elapsed_s``, logged at each validation) when validation top-1 first
+    reached each target, or None."""
+    with open(metrics_csv, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val/top1") and r.get("time/elapsed_s")]
+    return {f"seconds_to_{round(100 * t)}": next((float(r["time/elapsed_s"]) for r in rows
+                                                   if float(r["val/top1"]) >= t), None) for t in targets}
+
+
+def speedrun(out: Path, data_dir: str | None, dry_run: bool) -> dict:
+    """hybrid_tiny with the GPU recipe: time to 90% / 94% validation top-1, test top-1, and which data it ran on."""
+    config = str(REPO / "configs" / "gpu_speedrun.yaml")
+    eager = ["--set", "compile=false"] if dry_run and not torch.cuda.is_available() else []  # a minute on a CPU
+    run = train_run(out, "speedrun", ["--model", "hybrid_tiny", "--config", config, *eager,
+                                      *_data_args(data_dir, dry_run)], 1200)
+    summary = json.loads((run / "summary.json").read_text())
+    jpeg = bool(data_dir) and any(Path(data_dir, "train").glob("*/*.jpg"))
+    return {"run": str(run), "data": "JPEG image folder" if jpeg else "CIFAR-10 batches (original images)",
+            "epochs": summary["epochs"], "wall_time_s": summary["wall_time_s"], "test_top1": summary["test_top1"],
+            "train_img_s": summary["train_images_per_s"], **time_to(run / "metrics.csv")}
+
+
+def _step(report: dict, name: str, fn: Callable[[], dict]) -> None:
+    start = time.perf_counter()
+    try:
+        report[name] = {"ok": True, **fn()}
+    except Exception as err:  # one failed step must not cost the others' results
+        report[name] = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    report[name]["seconds"] = round(time.perf_counter() - start, 1)
+    print(f"gpu_check: {name} {'ok' if report[name]['ok'] else 'FAILED'} in {report[name]['seconds']} s", flush=True)
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown: one section per step, its scalar results as a table."""
+    lines = ["# GPU check", ""]
+    for step, result in report.items():
+        if not isinstance(result, dict):
+            lines += [f"- {step}: {result}", ""]
+            continue
+        lines += [f"## {step}", "", "| key | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
+                  for k, v in result.items() if k != "traceback" and not isinstance(v, (dict, list))]
+        lines.append("")
+    return "\n".join(lines)
+
+
+STEPS = ("environment", "cuda_tests", "suite", "vit_tiny", "speedrun")
+
+
+def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = False, skip=()) -> dict:
+    """Every step but those in ``skip``; writes OUT/gpu_check.json and OUT/gpu_check.md and returns the report."""
+    from .suite import run_suite
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = {"environment": environment,
+             "cuda_tests": lambda: cuda_tests(out, dry_run),
+             "suite": lambda: {"results": str(out / "suite" / "bench.json"),
+                               **_suite_summary(run_suite(out / "suite", data_dir, quick=dry_run))},
+             "vit_tiny": lambda: vit_tiny(out, data_dir, dry_run),
+             "speedrun": lambda: speedrun(out, data_dir, dry_run)}
+    report: dict = {"dry_run": dry_run, "skipped": list(skip)}
+    for name, fn in steps.items():
+        if name not in skip:
+            _step(report, name, fn)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "gpu_check.md").write_text(markdown(report))
+    return report
+
+
+def _suite_summary(results: dict) -> dict:
+    """The suite's headline figures (bench.json keeps them all)."""
+    mfu = results["mfu"][0]
+    return {"vit_tiny_train_img_s": mfu["train_img_s"], "vit_tiny_mfu": mfu["mfu"],
+            "gemm_peak_tflops": mfu["gemm_peak_gflops"] / 1e3}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", help="CIFAR-10 (image folders or cifar-10-batches-py)")
+    p.add_argument("--out", required=True, help="folder for the report, the runs and the logs")
+    p.add_argument("--dry-run", action="store_true", help="every step at tiny sizes, no timings (any device)")
+    p.add_argument("--skip", nargs="*", default=[], choices=STEPS, help="steps to leave out")
+    args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU is visible; use --dry-run to check the steps on this machine", file=sys.stderr)
+        return 2
+    report = run_check(args.out, args.data_dir, args.dry_run, args.skip)
+    print(Path(args.out) / "gpu_check.md")
+    return 0 if all(r["ok"] for r in report.values() if isinstance(r, dict)) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
