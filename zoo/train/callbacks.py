@@ -87,15 +87,21 @@ def _num_batches(counts) -> float:
 
 
 class Throughput(pl.Callback):
-    """Training images per second over the whole fit, validation time excluded."""
+    """Training images per second over the whole fit, validation and checkpoint writes excluded: ``writes`` is the
+    run's ``AtomicCheckpointIO``, whose write seconds while the clock ran are taken off."""
 
-    def __init__(self):
+    def __init__(self, writes=None):
         self.images = 0
         self.train_s = 0.0
-        self._t = None
+        self.writes = writes
+        self._t = self._written = None
+
+    def _start(self) -> None:
+        self._t = time.perf_counter()
+        self._written = self.writes.write_seconds if self.writes is not None else 0.0
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self._t = time.perf_counter()
+        self._start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.images += batch[0].shape[0] * trainer.world_size
@@ -104,7 +110,7 @@ class Throughput(pl.Callback):
         self._pause(pl_module.device)
 
     def on_validation_end(self, trainer, pl_module):
-        self._t = time.perf_counter()
+        self._start()
 
     def on_train_epoch_end(self, trainer, pl_module):
         self._pause(pl_module.device)
@@ -112,7 +118,8 @@ class Throughput(pl.Callback):
     def _pause(self, device: torch.device):
         if self._t is not None:
             synchronize(device)
-            self.train_s += time.perf_counter() - self._t
+            written = (self.writes.write_seconds if self.writes is not None else 0.0) - self._written
+            self.train_s += time.perf_counter() - self._t - written
             self._t = None
 
     @property
@@ -133,3 +140,4 @@ class ValidationClock(pl.Callback):
     def on_validation_epoch_end(self, trainer, pl_module):
         if self._t0 is not None and not trainer.sanity_checking:
             pl_module.log("time/elapsed_s", time.perf_counter() - self._t0, on_epoch=True)
+

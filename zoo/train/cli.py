@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="PATH|auto", help="continue a run directory / checkpoint of the same model "
                    "and model arguments, or (auto) the newest run of --model under --out")
     p.add_argument("--ckpt-every-n-steps", type=int, help="also write checkpoints/last.ckpt every N steps")
+    p.add_argument("--ckpt-every-minutes", type=float, help="write checkpoints/last.ckpt every M minutes of training "
+                   "(default 2) and at the end")
     p.add_argument("--init-from", help="start a new run from a zoo checkpoint or a timm ViT state_dict; prints "
                    "what it loaded and refuses under half of the model's parameter elements")
     p.add_argument("--init-partial", action="store_true", default=None,

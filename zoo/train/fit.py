@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,6 +63,7 @@ class RunCallbacks(NamedTuple):
     best: ModelCheckpoint       # best.ckpt by val/top1 (last.ckpt comes from the other checkpoint callbacks)
     throughput: Throughput
     all: list[pl.Callback]
+    checkpoint_io: AtomicCheckpointIO  # the trainer's checkpoint writer, whose write time throughput leaves out
 
 
 def fit(recipe: Recipe) -> Path:
@@ -110,7 +112,7 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
     start = time.perf_counter()
     module = build_module(plan, dm)
     callbacks = build_callbacks(plan, spent_s=plan.setup_s + time.perf_counter() - start)
-    trainer = build_trainer(plan, callbacks.all)
+    trainer = build_trainer(plan, callbacks)
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=str(plan.resume_from) if plan.resume_from else None)
     fit_s = time.perf_counter() - start
@@ -154,36 +156,40 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
 
 
 def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
-    """Checkpoints (best by val/top1, last every N steps), throughput, progress, LR log, the EMA of the weights
-    (Lightning's ``WeightAveraging``: validation, checkpoints and the test see the average), the time budget
-    (less ``spent_s``, what the run spent before the fit: the precision probe, building the model and its
-    whitening filters)."""
-    recipe, ckpt_dir = plan.recipe, plan.run_dir / "checkpoints"
+    """Checkpoints (best by val/top1; last every N steps, every few minutes and at the end), throughput
+    (checkpoint writes excluded), progress, LR log, the EMA of the weights (Lightning's ``WeightAveraging``:
+    validation, checkpoints and the test see the average), the time budget (less ``spent_s``, what the run spent
+    before the fit: the precision probe, building the model and its whitening filters)."""
+    recipe, ckpt_dir, writes = plan.recipe, plan.run_dir / "checkpoints", AtomicCheckpointIO()
     best = ModelCheckpoint(ckpt_dir, "best", monitor="val/top1", mode="max", save_top_k=1,
                            enable_version_counter=False)
+    # last.ckpt every N steps and, with save_last, when the fit ends however it ends (Lightning's on_train_end)
     steps = ModelCheckpoint(ckpt_dir, "last", save_top_k=0, save_last=True,
                             every_n_train_steps=recipe.ckpt_every_n_steps, enable_version_counter=False)
-    # last.ckpt after every validation, the one at a stop included (Lightning's save_last on ``best`` would write it
-    # only where the monitored score improved, so a run whose final validation did not improve kept an older one)
-    latest = ModelCheckpoint(ckpt_dir, "last", enable_version_counter=False)
-    throughput = Throughput()
-    callbacks = [best, steps, latest, throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
-                 LearningRateMonitor("step"), ValidationClock()]
+    # and every few minutes of training, not after every validation: on a GPU an epoch takes seconds, and writing
+    # the weights and optimizer state that often would cost more than training
+    callbacks = [best, steps]
+    if recipe.ckpt_every_minutes > 0:
+        interval = timedelta(minutes=recipe.ckpt_every_minutes)
+        callbacks.append(ModelCheckpoint(ckpt_dir, "last", train_time_interval=interval, enable_version_counter=False))
+    throughput = Throughput(writes)
+    callbacks += [throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
+                  LearningRateMonitor("step"), ValidationClock()]
     if recipe.ema_decay:
         callbacks.append(WeightAveraging(avg_fn=ema_avg_fn(recipe.ema_decay)))
     if recipe.max_time:
         callbacks += [TimeBudget(parse_max_time(recipe.max_time) - spent_s), Timer(recipe.max_time)]
-    return RunCallbacks(best, throughput, callbacks)
+    return RunCallbacks(best, throughput, callbacks, writes)
 
 
-def build_trainer(plan: RunPlan, callbacks: list[pl.Callback]) -> pl.Trainer:
+def build_trainer(plan: RunPlan, callbacks: RunCallbacks) -> pl.Trainer:
     """The Lightning Trainer: metrics.csv kept across resumes, atomic checkpoint writes, no sanity check."""
     recipe = plan.recipe
     return pl.Trainer(
         accelerator=plan.accelerator, devices=recipe.devices, strategy=recipe.strategy,
         num_nodes=recipe.num_nodes, precision=plan.precision, max_epochs=recipe.epochs,
-        logger=ResumableCSVLogger(plan.run_dir, resume_from=plan.resume_from), callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()], limit_train_batches=recipe.limit_train_batches,
+        logger=ResumableCSVLogger(plan.run_dir, resume_from=plan.resume_from), callbacks=callbacks.all,
+        plugins=[callbacks.checkpoint_io], limit_train_batches=recipe.limit_train_batches,
         limit_val_batches=recipe.limit_val_batches, limit_test_batches=recipe.limit_test_batches,
         log_every_n_steps=min(50, recipe.ckpt_every_n_steps), num_sanity_val_steps=0)
 

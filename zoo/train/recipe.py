@@ -249,6 +249,8 @@ class Recipe:
     limit_val_batches: int | float | None = _field(None, "as limit_train_batches, for validation", _limit)
     limit_test_batches: int | float | None = _field(None, "as limit_train_batches, for the test", _limit)
     ckpt_every_n_steps: int = _field(500, "also write checkpoints/last.ckpt every N optimizer steps", _integer(1))
+    ckpt_every_minutes: float = _field(2.0, "write checkpoints/last.ckpt every this many minutes of training and "
+                                       "at the end (0: only at the end and every N steps)", _number)
     out: str = _field("runs", "root of run directories: OUT/<model>/<run-id>/", _text)
     resume: str | None = _field(None, "auto, a run directory or a checkpoint to continue", _optional(_text))
     init_from: str | None = _field(None, "start from a zoo checkpoint or a timm ViT state_dict", _optional(_text))
