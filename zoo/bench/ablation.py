@@ -6,7 +6,10 @@ Variants run seed by seed, interleaved (every variant's seed 0, then every seed 
 spreads over all of them. Results go to ``ablation.csv`` (a finished (variant, seed) is not run again: a
 stopped ablation resumes) and ``ablation.md``.
 
-    python -m zoo.bench.ablation --data-dir ../shared/data/cifar10 --out out/ablation --seeds 0 1
+    python -m zoo.bench.ablation --data-dir DATA --out out/ablation --seeds 0 1
+    ZOO_NATIVE_BF16=0 python -m zoo.bench.ablation --data-dir DATA --out out/no_bf16 --seeds 0 --variants recipe adamw
+
+``--set KEY=VALUE`` (repeatable) goes to every variant's command (``--model vit_tiny --set tta=0``).
 """
 
 from __future__ import annotations
@@ -34,16 +37,16 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "no_lr_split": ("no_decay_lr_scale=1",),
     "eager": ("compile=false",),
 }
-FIELDS = ("variant", "seed", "run_dir", "steps", "train_images_per_s", "best_val_top1", "test_top1_tta",
-          "test_top1_plain")
+FIELDS = ("variant", "seed", "run_dir", "precision", "optimizer", "steps", "train_images_per_s", "best_val_top1",
+          "test_top1_tta", "test_top1_plain")
 _TRAIN = "import sys; from zoo.train.cli import main; sys.exit(main(sys.argv[1:]))"
 _EVAL = "import sys; from zoo.explain.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def train_command(variant: str, seed: int, *, model: str, config: str, data_dir: str, max_time: str,
-                  runs: Path) -> list[str]:
-    """The train.py command line of one (variant, seed)."""
-    sets = [arg for item in VARIANTS[variant] for arg in ("--set", item)]
+                  runs: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """The train.py command line of one (variant, seed); ``extra``: --set overrides of every variant."""
+    sets = [arg for item in (*extra, *VARIANTS[variant]) for arg in ("--set", item)]
     return [sys.executable, "-c", _TRAIN, "--model", model, "--config", config, "--data-dir", data_dir,
             "--max-time", max_time, "--seed", str(seed), "--out", str(runs), *sets]
 
@@ -51,7 +54,7 @@ def train_command(variant: str, seed: int, *, model: str, config: str, data_dir:
 def run_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
     """Train one (variant, seed), evaluate its tested weights without TTA; its row of ablation.csv."""
     cmd = train_command(variant, seed, model=args.model, config=args.config, data_dir=args.data_dir,
-                        max_time=args.max_time, runs=args.out / "runs")
+                        max_time=args.max_time, runs=args.out / "runs", extra=tuple(args.set))
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     run_dir = Path(done.stdout.strip().splitlines()[-1])  # train.py prints the run directory last
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -59,7 +62,8 @@ def run_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
     subprocess.run([sys.executable, "-c", _EVAL, "--checkpoint", str(ckpt), "--out", str(run_dir / "plain"),
                     "--data-dir", args.data_dir], check=True, stdout=subprocess.DEVNULL)
     plain = json.loads((run_dir / "plain" / "metrics.json").read_text())
-    return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "steps": summary["global_step"],
+    return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "precision": summary["precision"],
+            "optimizer": summary.get("optimizer"), "steps": summary["global_step"],
             "train_images_per_s": summary["train_images_per_s"], "best_val_top1": summary["best_val_top1"],
             "test_top1_tta": summary["test_top1"], "test_top1_plain": plain["test_top1"]}
 
@@ -109,6 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="hybrid_tiny")
     p.add_argument("--config", default="configs/cpu_budget.yaml")
     p.add_argument("--max-time", default="00:00:10:00")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override of every variant")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     table = args.out / "ablation.csv"
