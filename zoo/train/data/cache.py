@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from ...atomic import atomic_write
+from .cifar import batch_files
 from .decode import Limits, decode_splits
-from .layout import CIFAR_META, CIFAR_TEST, CIFAR_TRAIN, SPLITS
+from .layout import SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ def data_fingerprint(layout: str, source: Path) -> str:
                 h.update(f"{split}/{folder.name}:".encode())
                 h.update("\0".join(sorted(e.name for e in os.scandir(folder))).encode())
     else:
-        for name in [CIFAR_META, *CIFAR_TRAIN, *CIFAR_TEST]:
-            st = (source / name).stat()
-            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        for path in batch_files(source):
+            st = path.stat()
+            h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()
 
 
