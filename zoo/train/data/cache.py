@@ -37,7 +37,10 @@ def user_cache_dir() -> Path:
 
 def cache_path(source: Path, cache_dir: Path | None, img_size: int, limits: Limits, seed: int) -> Path:
     """The cache file for data read from ``source`` at ``img_size`` with the subsets ``limits`` (drawn with
-    ``seed``): in ``cache_dir`` if given, else in ``user_cache_dir()/<hash of source>``."""
+    ``seed``): in ``cache_dir`` if given, else in ``user_cache_dir()/<hash of source>``. A ``cache_dir`` that
+    is an existing file -> ValueError (a cache silently not written would decode the data on every run)."""
+    if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
+        raise ValueError(f"cache_dir {cache_dir} is a file, not a folder: pass a folder for the decoded-data cache")
     source = source.resolve()
     subsets = limits["train"] or limits["test"]
     spec = [str(source), img_size, limits["train"], limits["test"], seed if subsets else None]
