@@ -5,6 +5,8 @@ tests/cli/test_bad_inputs.py."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torchvision
@@ -212,3 +214,51 @@ def test_init_from_reports_and_refuses_under_half(tmp_path):
     assert partial.fraction < 0.5 and len(partial.missing) > 0
     with pytest.raises(ValueError, match=r"no weight matches the model"):
         init_from(zoo.create_model("resnet18"), nano, allow_partial=True)
+
+
+# the model's arguments (types from the constructor's annotations, ranges from its own checks) and the dtype
+# of what meets the weights
+x_images = torch.randn(2, 3, 32, 32)
+CONTRACT = [
+    ("img_size='32'", lambda: zoo.create_model("vit_nano", img_size="32"), ValueError,
+     r"img_size of vit_nano must be int or tuple\[int, int\], got '32'"),
+    ("depth='4'", lambda: zoo.create_model("vit_nano", depth="4"), ValueError,
+     r"depth of vit_nano must be int, got '4'"),
+    ("depth=2.0", lambda: zoo.create_model("hybrid_tiny", depth=2.0), ValueError, r"depth of hybrid_tiny must be int"),
+    ("depth=0", lambda: zoo.create_model("vit_nano", depth=0), ValueError, r"depth must be an int >= 1, got 0"),
+    ("hybrid depth=0", lambda: zoo.create_model("hybrid_tiny", depth=0), ValueError, r"depth must be an int >= 1"),
+    ("in_chans=0", lambda: zoo.create_model("vit_nano", in_chans=0), ValueError,
+     r"in_chans must be an int >= 1, got 0"),
+    ("resnet in_chans=0", lambda: zoo.create_model("resnet18", in_chans=0), ValueError, r"in_chans must be an int"),
+    ("hybrid in_chans=0", lambda: zoo.create_model("hybrid_tiny", in_chans=0), ValueError, r"in_chans must be"),
+    ("drop_path_rate='0.1'", lambda: zoo.create_model("resnet18", drop_path_rate="0.1"), ValueError,
+     r"drop_path_rate of resnet18 must be float, got '0.1'"),
+    ("float64 into attention", lambda: attn()(x3.double()), ValueError,
+     r"x has dtype torch.float64, the module's weights torch.float32: .*torch.autocast"),
+    ("float16 into attention", lambda: attn()(x3.half()), ValueError, r"x has dtype torch.float16, .*autocast"),
+    ("float64 context", lambda: attn()(x3, x3.double()), ValueError, r"context has dtype torch.float64"),
+    ("float64 into vit", lambda: zoo.create_model("vit_nano").eval()(x_images.double()), ValueError,
+     r"x has dtype torch.float64, the module's weights torch.float32: cast one to the other .*autocast"),
+    ("float64 into hybrid", lambda: zoo.create_model("hybrid_tiny").eval()(x_images.double()), ValueError,
+     r"x has dtype torch.float64"),
+    ("float64 into resnet", lambda: zoo.create_model("resnet18").eval()(x_images.double()), ValueError,
+     r"x has dtype torch.float64"),
+]
+
+
+@pytest.mark.parametrize("what, call, error, match", CONTRACT, ids=[c[0] for c in CONTRACT])
+def test_model_arguments_and_dtypes_are_checked_by_the_zoo(what, call, error, match):
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert "/zoo/" in str(info.traceback[-1].path), info.traceback[-1]  # raised by the zoo's check, not torch's
+
+
+def test_matching_dtypes_and_autocast_still_run():
+    """A module cast to the input's dtype computes what float32 does; under autocast a float32 input is cast."""
+    module = attn()
+    expected = module(x3)
+    assert torch.allclose(copy.deepcopy(module).double()(x3.double()), expected.double(), atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.allclose(module(x3).float(), expected, atol=0.1)
+    model = zoo.create_model("vit_nano").eval()
+    assert torch.allclose(copy.deepcopy(model).double()(x_images.double()), model(x_images).double(), atol=1e-4)

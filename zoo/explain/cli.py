@@ -79,12 +79,13 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"eval.py: error: {err}", file=sys.stderr)
         return 2
-    from zoo.explain.report import compare_runs, evaluate_run
+    from zoo.explain.report import check_out_dir, compare_runs, evaluate_run
 
     try:
         if args.bench_suite:
             from zoo.bench.suite import run_suite
 
+            check_out_dir(args.out)
             run_suite(args.out, data_dir=args.data_dir, device=args.device)
             print(open(f"{args.out}/bench.md").read())
             return 0

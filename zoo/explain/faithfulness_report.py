@@ -28,7 +28,7 @@ from ..train.device import eval_device
 from . import figures as viz
 from . import leaderboard as board
 from .perturbation import FRACTIONS, METRICS, REMOVALS
-from .report import check_data_classes, data_module_for
+from .report import check_data_classes, check_out_dir, data_module_for
 from .sanity import cascading_randomisation
 
 DEFAULT_REMOVALS = ("zero",)  # blur and mean each add about the time of zero, ROAD ~2.5x it: the full grid ~5x
@@ -68,6 +68,7 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
     check runs on the first ``sanity_images`` of the images (spread over the classes too). A run given twice,
     an unknown removal, a bad checkpoint or data whose classes are not the run's -> ValueError."""
     out = Path(out)
+    check_out_dir(out)
     if num_images < 1:
         raise ValueError(f"num_images must be >= 1, got {num_images}")
     unknown = [r for r in removals if r not in REMOVALS]

@@ -43,6 +43,20 @@ def check_data_classes(meta: dict, data_dir: str | None = None) -> None:
                         f"{meta['num_classes']}")
 
 
+def check_out_dir(out: str | Path) -> None:
+    """``out`` must not lie inside a run directory (config.yaml beside checkpoints/), except in that run's own
+    ``eval/`` folder: evaluation files would mix with the run's files (metrics.csv, checkpoints) or replace them.
+    Otherwise -> ValueError naming both folders."""
+    out = Path(out).resolve()
+    for folder in (out, *out.parents):
+        if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
+            own = folder / "eval"
+            if out != own and own not in out.parents:
+                raise ValueError(f"--out {out} lies inside the run directory {folder}: write elsewhere, or into "
+                                 f"the run's own eval folder {own}")
+            return
+
+
 def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int = 256,
                     max_test_images: int | None = None, cache_dir: str | None = None) -> ImageDataModule:
     """The test data a run was trained for: its config's data folder, image size, split and cache
@@ -177,6 +191,7 @@ def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: 
     device = eval_device(device)
     model, meta = load_shipped(pretrained) if pretrained else load_run(checkpoint)
     check_data_classes(meta, data_dir)
+    check_out_dir(out)
     model.to(device)
     name = meta["model_name"]
     dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=max_test_images,
@@ -204,11 +219,16 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _run_json(run_dir: Path, name: str) -> dict | None:
+    """A file eval.py wrote for a run: in its eval/ folder, or (older runs) in the run directory itself."""
+    return _read_json(run_dir / "eval" / name) or _read_json(run_dir / name)
+
+
 def _best_faithfulness(run_dir: Path, out: Path, *labels: str) -> dict | None:
-    """The best method (``leaderboard.best_method``) of a faithfulness.csv in the run directory (or else in the
-    compare output folder) for the first of ``labels`` (the compare label, the model name, the run id) that it
-    has rows for; None when there is no such file or row."""
-    for path in (run_dir / "faithfulness.csv", out / "faithfulness.csv"):
+    """The best method (``leaderboard.best_method``) of a faithfulness.csv in the run's eval/ folder or the run
+    directory (or else in the compare output folder) for the first of ``labels`` (the compare label, the model
+    name, the run id) that it has rows for; None when there is no such file or row."""
+    for path in (run_dir / "eval" / "faithfulness.csv", run_dir / "faithfulness.csv", out / "faithfulness.csv"):
         if path.is_file():
             rows = read_csv(path)
             found = next((b for b in (best_method(rows, label) for label in labels) if b is not None), None)
@@ -229,6 +249,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
     neither summary.json nor metrics.json has it, on those same images only). A run given twice -> ValueError;
     rows are labelled by model and run id (by the run's path where two run ids are the same)."""
     out, run_dirs = Path(out), [Path(r) for r in run_dirs]
+    check_out_dir(out)
     resolved = [r.resolve() for r in run_dirs]
     twice = sorted({str(r) for r, p in zip(run_dirs, resolved, strict=True) if resolved.count(p) > 1})
     if twice:
@@ -242,9 +263,9 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
         summary = meta["summary"]
         dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size,
                              max_test_images=max(deletion_images, grid_images), cache_dir=cache_dir)
-        metrics = _read_json(run_dir / "metrics.json") or {}
-        bench = _read_json(run_dir / "benchmark.json") or {}
-        deletion = _read_json(run_dir / "deletion.json")
+        metrics = _run_json(run_dir, "metrics.json") or {}
+        bench = _run_json(run_dir, "benchmark.json") or {}
+        deletion = _run_json(run_dir, "deletion.json")
         if deletion is None:
             images, labels = spread_test_images(dm, deletion_images)
             deletion = deletion_test(model, dm.normalize(images), labels)

@@ -41,7 +41,7 @@ from einops import rearrange
 from torch import nn
 
 from .backends import Masking, attend, auto_sparse
-from .checks import check_flag, check_int, check_rate, tracing
+from .checks import check_dtype, check_flag, check_int, check_rate, tracing
 from .masks import MaskSpec
 from .position import RelativePositionBias2D
 
@@ -277,8 +277,10 @@ class MultiHeadAttention(nn.Module):
         check_flag("is_causal", is_causal)
         check_flag("need_weights", need_weights)
         _check_rank3("x", x, self.dim, "dim")
+        check_dtype("x", x, self.proj.weight.dtype)
         if context is not None:
             _check_rank3("context", context, self.context_dim or self.dim, "context_dim")
+            check_dtype("context", context, self.proj.weight.dtype)
             if context.shape[0] != x.shape[0]:
                 raise ValueError(f"context batch {context.shape[0]} != x batch {x.shape[0]}")
             if kv_cache is not None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numbers
 
+import torch
+
 try:
     from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 except ImportError:  # torch < 2.5: the flag is only set by symbolic tracing there
@@ -42,6 +44,13 @@ def check_grid(name: str, value) -> tuple[int, int]:
     if not pair or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1 for v in value):
         raise ValueError(f"{name} must be two positive ints (gh, gw), got {value!r}")
     return int(value[0]), int(value[1])
+
+
+def check_dtype(name: str, x: torch.Tensor, expected: torch.dtype) -> None:
+    """``x`` must have the dtype of the weights it meets (``expected``), unless autocast casts it on the way."""
+    if x.dtype != expected and not torch.is_autocast_enabled(x.device.type):
+        raise ValueError(f"{name} has dtype {x.dtype}, the module's weights {expected}: cast one to the other "
+                         f"(x.to({expected}) or module.to({x.dtype})), or run it under torch.autocast")
 
 
 def check_flag(name: str, value) -> bool:

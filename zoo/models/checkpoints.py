@@ -15,10 +15,18 @@ from .registry import create_model, model_card, shipped_models
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """torch.load a Lightning checkpoint on CPU; missing / truncated / foreign -> ValueError (one line)."""
+    """torch.load a Lightning checkpoint on CPU; missing / truncated / foreign, or a file that is no PyTorch
+    checkpoint at all (a CSV, a YAML file) -> ValueError (one line)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    # torch.save writes a zip archive (b"PK\x03\x04"), before torch 1.6 a pickle (b"\x80"); torch.load reads
+    # anything else as a pickle and fails with whatever the bytes happen to mean (IndexError for a CSV)
+    if not head.startswith((b"PK\x03\x04", b"\x80")):
+        shown = f"it starts with {head!r}" if head else "it is empty"
+        raise ValueError(f"{path} is not a PyTorch checkpoint (torch.save writes a zip archive; {shown})")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises RuntimeError / UnpicklingError / EOFError / zipfile errors

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..layers.attention import MultiHeadAttention
 from ..layers.cbam import CBAM
+from ..layers.checks import check_int
 from ..layers.whitening import PatchWhitening
 from .features import TOKEN_FEATURES, TokenFeatures
 from .inputs import check_images
@@ -82,6 +83,8 @@ class HybridNet(TokenFeatures, nn.Module):
                  mlp_ratio: float = 2.0, qkv_bias: bool = True, drop_rate: float = 0.0,
                  drop_path_rate: float = 0.0, attn_layer=MultiHeadAttention, backend: str = "auto"):
         super().__init__()
+        for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim), ("depth", depth)):
+            check_int(name, value)  # 0 would build a model without blocks or input channels
         self.img_size = to_2tuple(img_size)
         stride = 2 ** (len(stem_chs) + 1)
         if any(not isinstance(s, int) or s < stride or s % stride for s in self.img_size):
@@ -150,12 +153,12 @@ class HybridNet(TokenFeatures, nn.Module):
 
     def forward_pre_stages(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, *img_size) -> whitened (B, 24, *img_size), the first conv group's input."""
-        check_images(x, self.in_chans, self.img_size)
+        check_images(x, self.in_chans, self.img_size, self.norm.weight.dtype)
         return self.stem[:self._STAGES_FROM](x)
 
     def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, *img_size) -> feature grid (B, embed_dim, gh, gw)."""
-        check_images(x, self.in_chans, self.img_size)
+        check_images(x, self.in_chans, self.img_size, self.norm.weight.dtype)
         return self.stem(x)
 
     def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:

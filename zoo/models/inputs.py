@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.checks import tracing
+from ..layers.checks import check_dtype, tracing
 
 
-def check_images(x, in_chans: int, img_size: tuple[int, int] | None = None) -> None:
-    """``x`` must be a floating (B, in_chans, H, W) tensor, with (H, W) == img_size when one is given."""
+def check_images(x, in_chans: int, img_size: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> None:
+    """``x`` must be a floating (B, in_chans, H, W) tensor, with (H, W) == img_size when one is given and the
+    model's ``dtype`` (float64 images into a float32 model) unless autocast casts them."""
     if tracing():
         return
     size = f"{img_size[0]}, {img_size[1]}" if img_size is not None else "H, W"
@@ -21,3 +22,5 @@ def check_images(x, in_chans: int, img_size: tuple[int, int] | None = None) -> N
         raise ValueError(f"expected {expected}, got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"expected floating-point {expected} (normalised float32), got dtype {x.dtype}")
+    if dtype is not None:
+        check_dtype("x", x, dtype)

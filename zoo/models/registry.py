@@ -17,11 +17,14 @@ from timm.models import build_model_with_cfg
 from timm.models import register_model as timm_register_model
 from torch import nn
 
+from .arguments import check_arguments
+
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # shipped weights: <name>.safetensors + .json
 
 _entrypoints: dict[str, Callable[..., nn.Module]] = {}  # zoo name -> the timm entry point (build_model_with_cfg)
+_builders: dict[str, Callable[..., nn.Module]] = {}  # zoo name -> the decorated function (its signature, return)
 default_cfgs: dict[str, dict] = {}  # read by timm's register_model for the zoo_<name> pretrained cfgs
 
 
@@ -88,6 +91,7 @@ def register_model(first_conv: str, classifier: str = "head", *, fixed_input_siz
         entrypoint = _timm_entrypoint(name, fn, feature_cfg)
         timm_register_model(entrypoint)
         _entrypoints[name] = entrypoint
+        _builders[name] = fn
         return fn
 
     return decorator
@@ -103,7 +107,8 @@ def create_model(name: str, pretrained: bool = False, **kwargs) -> nn.Module:
     model ``timm.create_model("zoo_" + name, ...)`` builds. ``pretrained=True`` loads the weights the zoo
     ships (``shipped_models()``; a head of another ``num_classes`` is re-initialised, other ``in_chans``
     adapted, as timm does). The ``zoo_`` prefix is accepted too. Unknown name -> ValueError with close
-    matches."""
+    matches; an argument of the wrong type (``img_size="32"``, ``depth=2.5``) -> ValueError naming it, before
+    anything is built."""
     key = name.removeprefix("zoo_") if isinstance(name, str) else name
     if key not in _entrypoints:
         close = difflib.get_close_matches(str(key), list_models(), n=3, cutoff=0.5)
@@ -112,11 +117,18 @@ def create_model(name: str, pretrained: bool = False, **kwargs) -> nn.Module:
     num_classes = kwargs.get("num_classes", 0)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
         raise ValueError(f"num_classes must be an int >= 0 (0: pooled features, no head), got {num_classes!r}")
+    check_arguments(key, _builders[key], kwargs, unknown_ok=True)  # timm's builder takes more (features_only)
     model = _entrypoints[key](pretrained=pretrained, **kwargs)
     if not kwargs.get("features_only"):
         model.zoo_name = key
         model.zoo_kwargs = dict(kwargs)
     return model
+
+
+def check_model_args(name: str, arguments: dict, prefix: str = "") -> None:
+    """ValueError unless registered model ``name``'s constructor takes each of ``arguments`` with a value of its
+    annotated type (``zoo.models.arguments``); the message names the valid arguments and the closest one."""
+    check_arguments(name, _builders[name.removeprefix("zoo_")], arguments, prefix=prefix)
 
 
 def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:

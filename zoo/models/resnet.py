@@ -16,6 +16,7 @@ from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
 from ..layers.cbam import add_cbam
+from ..layers.checks import check_int
 from .inputs import check_images
 from .registry import register_model
 
@@ -29,7 +30,7 @@ class CifarResNet(ResNet):
     Input (B, in_chans, H, W); logits (B, num_classes)."""
 
     def __init__(self, *args, in_chans: int = 3, img_size: int | None = None, **kwargs):
-        super().__init__(*args, in_chans=in_chans, **kwargs)
+        super().__init__(*args, in_chans=check_int("in_chans", in_chans), **kwargs)
         self.in_chans = in_chans
         self.conv1 = nn.Conv2d(in_chans, self.conv1.out_channels, 3, stride=1, padding=1, bias=False)
         nn.init.kaiming_normal_(self.conv1.weight, mode="fan_out", nonlinearity="relu")  # as timm inits it
@@ -39,7 +40,7 @@ class CifarResNet(ResNet):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, H / 8, W / 8)."""
-        check_images(x, self.in_chans)
+        check_images(x, self.in_chans, dtype=self.conv1.weight.dtype)
         return super().forward_features(x)
 
 

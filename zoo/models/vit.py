@@ -34,6 +34,7 @@ from timm.models import checkpoint_seq
 from torch import nn
 
 from ..layers.attention import MultiHeadAttention
+from ..layers.checks import check_int
 from ..layers.masks import MaskSpec, spec
 from ..layers.position import sincos_pos_embed_2d
 from .features import TOKEN_FEATURES, TokenFeatures
@@ -64,7 +65,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_images(x, self.in_chans, self.img_size)
+        check_images(x, self.in_chans, self.img_size, self.proj.weight.dtype)
         return rearrange(self.proj(x), "b c gh gw -> b (gh gw) c")
 
 
@@ -129,6 +130,8 @@ class VisionTransformer(TokenFeatures, nn.Module):
                  drop_rate: float = 0.0, proj_drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
                  drop_path_rate: float = 0.0, backend: str = "auto", local_window: int | None = None):
         super().__init__()
+        for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim), ("depth", depth)):
+            check_int(name, value)  # 0 would build a model without blocks or input channels
         if local_window is not None and global_pool != "avg":
             raise ValueError(f"local_window needs global_pool='avg' (a class token would attend globally), "
                              f"got global_pool={global_pool!r}")

@@ -5,15 +5,18 @@ without one is an error), a ``--config FILE``, ``--set key=value`` overrides (do
 ``model_args``, YAML-parsed values) and explicit command-line flags.
 
 Conventions: the keys and nesting of a recipe are those of the YAML files (``val_size``, ``augment.mixup_alpha``,
-``model_args.*`` free-form for ``zoo.create_model``); a run's config.yaml is ``Recipe.to_yaml()`` and loads back
-to an equal recipe. Unknown keys raise a ValueError naming the layer and the valid keys; a wrong type or range
-raises one naming the key, what was expected and what was given. Augmentation defaults are
-``zoo.train.data.DEFAULT_AUGMENT`` (defined there only)."""
+``model_args.*`` for ``zoo.create_model``, checked against the model's constructor); a run's config.yaml is
+``Recipe.to_yaml()`` and loads back to an equal recipe. Unknown keys raise a ValueError naming the layer and the
+valid keys; a wrong type or range raises one naming the key, what was expected and what was given; a field's
+``after`` check relates it to other fields (cutout within the image, model_args of the model). One YAML reader
+(``parse_yaml``, safe: no tags that build Python objects) parses config files and ``--set`` values. Augmentation
+defaults are ``zoo.train.data.DEFAULT_AUGMENT`` (defined there only)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -30,6 +33,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"   # zoo/configs,
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 
 Check = Callable[[str, Any], Any]   # (dotted key, value) -> normalised value, or ValueError
+After = Callable[[str, Any, Any], None]  # (dotted key, checked value, the whole config) -> None, or ValueError
 
 
 def _integer(low: int) -> Check:
@@ -50,7 +54,16 @@ def _number(key: str, value) -> float:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"{key} must be a non-negative number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
     return float(value)
+
+
+def _positive(key: str, value) -> float:
+    value = _number(key, value)
+    if value == 0:
+        raise ValueError(f"{key} must be above zero, got {value!r}")
+    return value
 
 
 def _text(key: str, value) -> str:
@@ -143,9 +156,23 @@ def _randaugment(key: str, value) -> dict | bool:
     return value if isinstance(value, bool) else dict(value)
 
 
-def _field(default, doc: str, check: Check, **extra) -> Any:
-    """A dataclass field with its doc line and check in ``metadata``; mutable defaults are copied."""
-    metadata = {"doc": doc, "check": check, **extra}
+def _model_arguments(key: str, value: dict, recipe) -> None:
+    """model_args must be arguments of the recipe's model, of the types its constructor declares."""
+    from ..models import check_model_args, list_models  # the models load on first use, as in resolve_config
+
+    if recipe.model in list_models():
+        check_model_args(recipe.model, value, prefix=f"{key}.")
+
+
+def _cutout_fits(key: str, value: AugmentConfig, recipe) -> None:
+    if value.cutout > recipe.img_size:
+        raise ValueError(f"{key}.cutout must be at most img_size ({recipe.img_size}), got {value.cutout}")
+
+
+def _field(default, doc: str, check: Check, after: After | None = None, **extra) -> Any:
+    """A dataclass field with its doc line, check and ``after`` check (run once every field is checked, with
+    the whole config) in ``metadata``; mutable defaults are copied."""
+    metadata = {"doc": doc, "check": check, **({"after": after} if after else {}), **extra}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     if isinstance(default, type):
@@ -154,9 +181,13 @@ def _field(default, doc: str, check: Check, **extra) -> Any:
 
 
 def _validate(config, prefix: str) -> None:
-    """Run every field's check on a (frozen) dataclass instance, storing the normalised values."""
+    """Run every field's check on a (frozen) dataclass instance, storing the normalised values, then the
+    ``after`` checks that relate fields."""
     for f in fields(config):
         object.__setattr__(config, f.name, f.metadata["check"](prefix + f.name, getattr(config, f.name)))
+    for f in fields(config):
+        if "after" in f.metadata:
+            f.metadata["after"](prefix + f.name, getattr(config, f.name), config)
 
 
 @dataclass(frozen=True)
@@ -194,7 +225,7 @@ class Recipe:
     # model and optimisation
     model: str | None = _field(None, "registered model name (zoo.list_models())", _optional(_text))
     model_args: dict = _field({}, "keyword arguments of zoo.create_model (depth, drop_path_rate, ...)", _mapping,
-                              nested=True)
+                              _model_arguments, nested=True)
     epochs: int = _field(100, "training epochs (the LR schedule spans them)", _integer(1))
     batch_size: int = _field(128, "training batch size per device", _integer(1))
     eval_batch_size: int | None = _field(None, "validation / test batch size (null: batch_size)",
@@ -206,7 +237,7 @@ class Recipe:
         _optional(_fraction))
     muon_dtype: str = _field("auto", "dtype of Muon's iteration: auto (bfloat16 where the device computes it "
                              "natively, else float32), float32 or bfloat16", _choice(("auto", *MUON_DTYPES)))
-    lr: float = _field(1e-3, "peak learning rate", _number)
+    lr: float = _field(1e-3, "peak learning rate", _positive)
     momentum: float = _field(0.9, "SGD's / Muon's Nesterov momentum", _number)
     weight_decay: float = _field(0.05, "weight decay (not on norms, biases, position embeddings)", _number)
     no_decay_lr_scale: float = _field(1.0, "learning-rate multiplier of norms, biases and position tables",
@@ -214,13 +245,13 @@ class Recipe:
     schedule: str = _field("cosine", "decay after the warm-up: cosine or linear", _choice(SCHEDULES))
     warmup_epochs: float = _field(5.0, "linear warm-up, in epochs (fractions allowed)", _number)
     min_lr_ratio: float = _field(0.01, "the decay ends at lr * min_lr_ratio", _number)
-    label_smoothing: float = _field(0.1, "cross-entropy label smoothing", _number)
+    label_smoothing: float = _field(0.1, "cross-entropy label smoothing, in [0, 1)", _unit_interval)
     fit_whitening: bool = _field(True, "patch-whitening filters from training images (false: fixed random ones)",
                                  _flag())
     ema_decay: float = _field(0.0, "EMA of the weights (decay warming up to this); 0 = off", _unit_interval)
     tta: int = _field(0, "test-time augmentation of validation and test: 0 none, 1 mirror, 2 mirror + shifts",
                       _choice(TTA_LEVELS))
-    augment: AugmentConfig = _field(AugmentConfig, "training augmentation (AugmentConfig)", _section,
+    augment: AugmentConfig = _field(AugmentConfig, "training augmentation (AugmentConfig)", _section, _cutout_fits,
                                     nested=True, section=AugmentConfig)
     # data
     data_dir: str | None = _field(None, "ImageFolder tree or folder holding cifar-10-batches-py (null: ./data)",
@@ -326,15 +357,23 @@ def recipe_help() -> str:
     return "\n".join(lines)
 
 
+def parse_yaml(text: str, source: str):
+    """``text`` parsed by YAML's safe loader (a tag that would build a Python object, ``!!python/...``, is an
+    error); malformed -> ValueError saying ``source`` is not valid YAML, in one line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{source} is not valid YAML: {str(err).splitlines()[0]}") from None
+
+
 def load_yaml(path: str | Path) -> dict:
     """A YAML mapping from ``path``; a missing / malformed file -> ValueError."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except OSError as err:
         raise ValueError(f"cannot read config file {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise ValueError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    data = parse_yaml(text, f"config file {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -349,7 +388,7 @@ def parse_set(items: list[str] | tuple[str, ...]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set expects key=value, got {item!r}")
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = parse_yaml(raw, f"--set {key.strip()}={raw}") if raw.strip() else None
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
             try:
                 value = float(value)

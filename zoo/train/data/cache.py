@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from ...atomic import atomic_write
+from .cifar import batch_files
 from .decode import Limits, decode_splits
-from .layout import CIFAR_META, CIFAR_TEST, CIFAR_TRAIN, SPLITS
+from .layout import SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,10 @@ def user_cache_dir() -> Path:
 
 def cache_path(source: Path, cache_dir: Path | None, img_size: int, limits: Limits, seed: int) -> Path:
     """The cache file for data read from ``source`` at ``img_size`` with the subsets ``limits`` (drawn with
-    ``seed``): in ``cache_dir`` if given, else in ``user_cache_dir()/<hash of source>``."""
+    ``seed``): in ``cache_dir`` if given, else in ``user_cache_dir()/<hash of source>``. A ``cache_dir`` that
+    is an existing file -> ValueError (a cache silently not written would decode the data on every run)."""
+    if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
+        raise ValueError(f"cache_dir {cache_dir} is a file, not a folder: pass a folder for the decoded-data cache")
     source = source.resolve()
     subsets = limits["train"] or limits["test"]
     spec = [str(source), img_size, limits["train"], limits["test"], seed if subsets else None]
@@ -55,9 +59,9 @@ def data_fingerprint(layout: str, source: Path) -> str:
                 h.update(f"{split}/{folder.name}:".encode())
                 h.update("\0".join(sorted(e.name for e in os.scandir(folder))).encode())
     else:
-        for name in [CIFAR_META, *CIFAR_TRAIN, *CIFAR_TEST]:
-            st = (source / name).stat()
-            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        for path in batch_files(source):
+            st = path.stat()
+            h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()
 
 

@@ -1,21 +1,20 @@
 """Turning data files into tensors: ImageFolder images (any size: the shorter side resized, antialiased, then
-centre-cropped to ``img_size``) and torchvision's CIFAR-10 python batches become uint8 (N, 3, H, W) images
-with int64 (N,) labels, per split. Seeded random subsets pick the images first, so only the chosen files are
-decoded; a file that does not decode is skipped with a warning naming it (one bad file in 50,000 does not
-stop a run)."""
+centre-cropped to ``img_size``) and torchvision's CIFAR-10 python batches (read by ``cifar``, which runs no code)
+become uint8 (N, 3, H, W) images with int64 (N,) labels, per split. Seeded random subsets pick the images first,
+so only the chosen files are decoded; a file that does not decode is skipped with a warning naming it (one bad
+file in 50,000 does not stop a run)."""
 
 from __future__ import annotations
 
-import pickle
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as TF
 
-from .layout import CIFAR_META, CIFAR_TEST, CIFAR_TRAIN, SPLITS, layout_error, list_imagefolder
+from .cifar import read_cifar_batches
+from .layout import SPLITS, layout_error, list_imagefolder
 
 Limits = dict[str, int | None]  # split -> most images to keep (None: all; 0: the split is not decoded)
 
@@ -51,27 +50,6 @@ def decode_files(paths: list[Path], img_size: int) -> tuple[torch.Tensor, torch.
     return images[kept], kept
 
 
-def read_cifar_batches(batch_dir: Path) -> tuple[list[str], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Read torchvision's CIFAR-10 python batches: class names and per split (images uint8, labels int64)."""
-    def load(name: str) -> dict:
-        path = batch_dir / name
-        try:
-            with open(path, "rb") as f:
-                return pickle.load(f, encoding="latin1")
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError) as err:
-            reason = f"cannot read {path} ({type(err).__name__}: {err})"
-            raise layout_error(batch_dir.parent, reason) from err
-
-    class_names = list(load(CIFAR_META)["label_names"])
-    splits = {}
-    for split, names in zip(SPLITS, (CIFAR_TRAIN, CIFAR_TEST), strict=True):
-        batches = [load(n) for n in names]
-        data = np.concatenate([np.asarray(b["data"], dtype=np.uint8) for b in batches]).reshape(-1, 3, 32, 32)
-        labels = torch.as_tensor(np.concatenate([b["labels"] for b in batches]), dtype=torch.int64)
-        splits[split] = (torch.from_numpy(data), labels)
-    return class_names, splits
-
-
 def decode_imagefolder(source: Path, img_size: int, limits: Limits, seed: int) -> dict:
     """An ImageFolder tree as {"class_names", "<split>_images", "<split>_labels"}; split i is subset with
     ``seed + i``."""
@@ -95,10 +73,10 @@ def decode_cifar(source: Path, img_size: int, limits: Limits, seed: int) -> dict
     decoded: dict = {"class_names": class_names}
     for offset, (split, (images, labels)) in enumerate(splits.items()):
         chosen = subset(len(labels), limits[split], seed + offset)
-        images = images[chosen]
+        images, labels = torch.from_numpy(images)[chosen], torch.from_numpy(labels)[chosen]
         if images.shape[-1] != img_size:
             images = TF.resize(images, [img_size, img_size], antialias=True)
-        decoded[f"{split}_images"], decoded[f"{split}_labels"] = images.contiguous(), labels[chosen]
+        decoded[f"{split}_images"], decoded[f"{split}_labels"] = images.contiguous(), labels
     return decoded
 
 

@@ -7,7 +7,6 @@ whose one-line message names the folder, what it found and the layouts it expect
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 
 import torchvision
@@ -54,15 +53,14 @@ def find_layout(root: Path, download: bool) -> tuple[str, Path]:
 
 def data_class_names(root: Path) -> list[str]:
     """The class names of the data in ``root`` without decoding an image: an ImageFolder tree's sorted train/
-    folders, or CIFAR-10's ``batches.meta``; no dataset there -> DataError (never downloads)."""
+    folders, or CIFAR-10's ``batches.meta`` (read by ``cifar``, which runs no code); no dataset there or a
+    damaged meta file -> DataError (never downloads)."""
     layout, source = find_layout(root, download=False)
     if layout == "imagefolder":
         return sorted(_class_folders(source / "train"))
-    try:
-        with open(source / CIFAR_META, "rb") as f:
-            return list(pickle.load(f, encoding="latin1")["label_names"])
-    except (OSError, pickle.UnpicklingError, EOFError, KeyError, ValueError) as err:
-        raise layout_error(root, f"cannot read {source / CIFAR_META} ({type(err).__name__})") from err
+    from .cifar import read_label_names  # cifar imports this module
+
+    return read_label_names(source)
 
 
 def download_cifar10(root: Path) -> None:
