@@ -7,10 +7,7 @@ are such folders, ``zoo/weights/<name>/``; ``zoo.train.publish`` writes them."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from ..atomic import atomic_write, atomic_write_json
-from .registry import HUB_CONFIG, HUB_WEIGHTS, default_cfgs
+from .registry import default_cfgs
 
 HUB_README = "README.md"
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -63,13 +60,3 @@ def hub_readme(card: dict) -> str:
         "tags": ["image-classification", "timm", "zoo"], "license": default_cfgs[f"zoo_{name}"]["license"],
         "description": f"A zoo `{name}` trained from scratch on {trained_on}.", "details": details,
         "usage": usage}, f"zoo_{name}")
-
-
-def write_hub_folder(out_dir: str | Path, weights: bytes, card: dict) -> Path:
-    """Write ``out_dir/{config.json, model.safetensors, README.md}`` (each file atomically) and return out_dir;
-    ``weights`` is the safetensors file's content."""
-    out_dir = Path(out_dir)
-    atomic_write(out_dir / HUB_WEIGHTS, lambda f: f.write(weights))
-    atomic_write_json(out_dir / HUB_CONFIG, hub_config(card))
-    atomic_write(out_dir / HUB_README, lambda f: f.write(hub_readme(card).encode()))
-    return out_dir

@@ -25,6 +25,19 @@ LOGGERS = {
 }
 
 
+def logger_names(key: str, value) -> list[str]:
+    """Logger names: a list, each item possibly comma-separated (``--logger tensorboard,wandb``), normalised to
+    the loggers beside metrics.csv, in order, each once."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
+        raise ValueError(f"{key} must be a list of logger names ({', '.join(LOGGERS)}), got {value!r}")
+    names = [name.strip().lower() for item in items for name in item.split(",") if name.strip()]
+    unknown = [name for name in names if name not in LOGGERS]
+    if unknown:
+        raise ValueError(f"{key}: unknown logger {', '.join(unknown)}; expected among {', '.join(LOGGERS)}")
+    return list(dict.fromkeys(name for name in names if name != "csv"))   # metrics.csv is always written
+
+
 def require_loggers(names: list[str]) -> None:
     """A logger in ``names`` whose package is not installed -> ValueError naming the pip command."""
     for name in names:

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..atomic import atomic_write, atomic_write_json
 from ..models.checkpoints import load_run
-from ..models.hub import write_hub_folder
-from ..models.registry import WEIGHTS_DIR, model_info
+from ..models.hub import HUB_README, hub_config, hub_readme
+from ..models.registry import HUB_CONFIG, HUB_WEIGHTS, WEIGHTS_DIR, model_info
 from .data import ImageDataModule
 from .tta import tta_logits
 
@@ -81,6 +82,16 @@ def build_card(model: nn.Module, meta: dict, dm: ImageDataModule, command: str) 
         "train_images_per_s": summary.get("train_images_per_s"), "published": date.today().isoformat(),
         "torch": torch.__version__,
     }
+
+
+def write_hub_folder(out_dir: str | Path, weights: bytes, card: dict) -> Path:
+    """Write ``out_dir/{config.json, model.safetensors, README.md}`` (each file atomically) and return out_dir;
+    ``weights`` is the safetensors file's content."""
+    out_dir = Path(out_dir)
+    atomic_write(out_dir / HUB_WEIGHTS, lambda f: f.write(weights))
+    atomic_write_json(out_dir / HUB_CONFIG, hub_config(card))
+    atomic_write(out_dir / HUB_README, lambda f: f.write(hub_readme(card).encode()))
+    return out_dir
 
 
 def publish_run(run_dir: str | Path, out_dir: str | Path, *, data_dir: str | Path | None = None,

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from .data import DEFAULT_AUGMENT
-from .loggers import LOGGERS
+from .loggers import logger_names
 from .optim import MUON_DTYPES, OPTIMIZERS, SCHEDULES
 from .tta import TTA_LEVELS
 
@@ -135,19 +135,6 @@ def _limit(key: str, value) -> int | float | None:
         raise ValueError(f"{key} must be a batch limit: an integer (batches) or a fraction like 0.25, "
                          f"got {value!r}")
     return limit
-
-
-def _loggers(key: str, value) -> list[str]:
-    """Logger names: a list, each item possibly comma-separated (``--logger tensorboard,wandb``), normalised to
-    the loggers beside metrics.csv, in order, each once."""
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
-        raise ValueError(f"{key} must be a list of logger names ({', '.join(LOGGERS)}), got {value!r}")
-    names = [name.strip().lower() for item in items for name in item.split(",") if name.strip()]
-    unknown = [name for name in names if name not in LOGGERS]
-    if unknown:
-        raise ValueError(f"{key}: unknown logger {', '.join(unknown)}; expected among {', '.join(LOGGERS)}")
-    return list(dict.fromkeys(name for name in names if name != "csv"))   # metrics.csv is always written
 
 
 def _randaugment(key: str, value) -> dict | bool:
@@ -265,7 +252,7 @@ class Recipe:
     ckpt_every_n_steps: int = _field(500, "also write checkpoints/last.ckpt every N optimizer steps", _integer(1))
     out: str = _field("runs", "root of run directories: OUT/<model>/<run-id>/", _text)
     loggers: list = _field([], "Lightning loggers beside metrics.csv (always written): tensorboard, wandb, mlflow, "
-                           "comet", _loggers)
+                           "comet", logger_names)
     resume: str | None = _field(None, "auto, a run directory or a checkpoint to continue", _optional(_text))
     init_from: str | None = _field(None, "start from a zoo checkpoint or a timm ViT state_dict", _optional(_text))
     init_partial: bool = _field(False, "let init_from load under half of the model's parameter elements", _flag())
