@@ -78,3 +78,20 @@ def tiny_run(cifar_dir, tmp_path_factory):
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = (root / "vit_nano").iterdir()
     return run
+
+
+@pytest.fixture
+def spread_test_images(cifar_dir):
+    """``spread(class_names, count)``: ``count`` real test images (uint8, N x 3 x H x W) evenly spaced through
+    test/<class>/<file> (classes in ``class_names`` order, files sorted) and their labels, decoded by
+    torchvision.io: independent of the zoo's data pipeline."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    def spread(class_names, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        files = [(label, cifar_dir / "test" / c / f) for label, c in enumerate(class_names)
+                 for f in sorted(os.listdir(cifar_dir / "test" / c))]
+        index = torch.linspace(0, len(files) - 1, count).round().long().tolist()
+        images = torch.stack([decode_image(str(files[i][1]), mode=ImageReadMode.RGB) for i in index])
+        return images, torch.tensor([files[i][0] for i in index])
+
+    return spread

@@ -30,7 +30,7 @@ def build_and_install(tmp_path: Path) -> Path:
     """Build the wheel from a copy of the package sources and install it into ``tmp_path/site``."""
     src, dist, site = tmp_path / "src", tmp_path / "dist", tmp_path / "site"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, src / name)
     shutil.copytree(REPO / "zoo", src / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
@@ -51,6 +51,12 @@ def test_wheel_installs_and_zoo_train_uses_the_packaged_recipe(cifar_dir, tmp_pa
     assert Path(imported).resolve() == (site / "zoo" / "__init__.py").resolve(), imported   # not the checkout
     shipped = sorted(p.name for p in (site / "zoo" / "configs").glob("*.yaml"))
     assert shipped == sorted(p.name for p in (REPO / "zoo" / "configs").glob("*.yaml"))
+    weights = sorted(str(p.relative_to(site / "zoo")) for p in (site / "zoo" / "weights").rglob("*") if p.is_file())
+    assert weights and weights == sorted(str(p.relative_to(REPO / "zoo")) for p in (REPO / "zoo" / "weights").rglob("*")
+                                         if p.is_file())   # the Hub folders: config.json, model.safetensors, README.md
+    (dist_info,) = site.glob("zoo-*.dist-info")   # the version is zoo.__version__, written once
+    version = run([sys.executable, "-c", "import zoo; print(zoo.__version__)"], cwd=work, env=env).stdout.strip()
+    assert dist_info.name == f"zoo-{version}.dist-info" and list(dist_info.rglob("LICENSE"))
 
     done = run([site / "bin" / "zoo-train", "--model", "vit_nano", "--data-dir", cifar_dir,
                 "--cache-dir", tmp_path / "cache", "--max-train-images", "256", "--max-test-images", "64",

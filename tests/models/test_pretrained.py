@@ -6,14 +6,11 @@ checked against their model cards on real test images."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import timm
 import torch
 from safetensors.torch import save_file
 from timm.data import resolve_model_data_config
-from torchvision.io import ImageReadMode, decode_image
 
 import zoo
 from zoo.models import model_card, shipped_models
@@ -65,24 +62,14 @@ def test_models_without_weights_say_so():
         timm.create_model("zoo_vit_tiny", pretrained=True)
 
 
-def _spread_test_images(cifar_dir, class_names, count):
-    """``count`` test images evenly spaced through test/<class>/<file> (classes and files sorted), decoded by
-    torchvision.io: independent of the zoo's data pipeline."""
-    files = [(label, cifar_dir / "test" / c / f) for label, c in enumerate(class_names)
-             for f in sorted(os.listdir(cifar_dir / "test" / c))]
-    index = torch.linspace(0, len(files) - 1, count).round().long().tolist()
-    images = torch.stack([decode_image(str(files[i][1]), mode=ImageReadMode.RGB) for i in index])
-    return images, torch.tensor([files[i][0] for i in index])
-
-
 @pytest.mark.parametrize("name", shipped_models())
-def test_shipped_weights_match_their_model_card(name, cifar_dir):
+def test_shipped_weights_match_their_model_card(name, spread_test_images):
     card = model_card(name)
     ours = zoo.create_model(name, pretrained=True).eval()
     theirs = timm.create_model(f"zoo_{name}", pretrained=True).eval()
     data = resolve_model_data_config(theirs)
     assert data["input_size"] == (3, card["img_size"], card["img_size"])
-    images, labels = _spread_test_images(cifar_dir, card["class_names"], card["check_images"])
+    images, labels = spread_test_images(card["class_names"], card["check_images"])
     mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (data["mean"], data["std"]))
     x = (images.float() / 255 - mean) / std
     with torch.no_grad():

@@ -21,34 +21,43 @@ from .arguments import check_arguments
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # shipped weights: <name>.safetensors + .json
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # shipped weights: <name>/ in the Hub layout
+HUB_CONFIG, HUB_WEIGHTS = "config.json", "model.safetensors"  # a Hub folder's files timm reads (zoo.models.hub)
 
 _entrypoints: dict[str, Callable[..., nn.Module]] = {}  # zoo name -> the timm entry point (build_model_with_cfg)
 _builders: dict[str, Callable[..., nn.Module]] = {}  # zoo name -> the decorated function (its signature, return)
 default_cfgs: dict[str, dict] = {}  # read by timm's register_model for the zoo_<name> pretrained cfgs
 
 
-def model_card(name: str) -> dict | None:
-    """The model card of ``name``'s shipped weights (``zoo/weights/<name>.json``: recipe, command, machine,
-    accuracy, mean / std of the training data, ...), or None when the zoo ships no weights for it."""
-    path = WEIGHTS_DIR / f"{name.removeprefix('zoo_')}.json"
+def shipped_config(name: str) -> dict | None:
+    """config.json of ``name``'s shipped weights (``zoo/weights/<name>/``, the Hub layout of ``zoo.models.hub``),
+    or None when the zoo ships no weights for it."""
+    path = WEIGHTS_DIR / name.removeprefix("zoo_") / HUB_CONFIG
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def model_card(name: str) -> dict | None:
+    """The model card of ``name``'s shipped weights (recipe, command, machine, accuracy, mean / std of the
+    training data, ...: config.json's ``model_card``), or None when the zoo ships no weights for it."""
+    config = shipped_config(name)
+    return config["model_card"] if config else None
 
 
 def _pretrained_cfg(name: str, first_conv: str, classifier: str, fixed_input_size: bool,
                     pool_size: tuple[int, int] | None) -> dict:
-    """timm's pretrained cfg of ``zoo_<name>``: the shipped weights' file and the mean / std their training
-    data was normalised with, or (no weights) the usual CIFAR-10 statistics."""
+    """timm's pretrained cfg of ``zoo_<name>``: the shipped weights' file and the pretrained cfg of their
+    config.json (the mean / std their training data was normalised with, label names, ...), or (no weights) the
+    usual CIFAR-10 statistics."""
     cfg = dict(
         url="", num_classes=10, input_size=(3, 32, 32), pool_size=pool_size, crop_pct=1.0, crop_mode="center",
         interpolation="bicubic", fixed_input_size=fixed_input_size, mean=CIFAR10_MEAN, std=CIFAR10_STD,
         first_conv=first_conv, classifier=classifier, license="apache-2.0",
     )
-    card = model_card(name)
-    if card is not None:
-        cfg.update(file=str(WEIGHTS_DIR / f"{name}.safetensors"), mean=tuple(card["mean"]), std=tuple(card["std"]),
-                   num_classes=card["num_classes"], input_size=(3, card["img_size"], card["img_size"]),
-                   notes=(card["command"],))
+    shipped = shipped_config(name)
+    if shipped is not None:  # the pretrained cfg timm's local-dir: reads from the same folder
+        cfg.update({key: tuple(value) if isinstance(value, list) else value
+                    for key, value in shipped["pretrained_cfg"].items()})
+        cfg["file"] = str(WEIGHTS_DIR / name / HUB_WEIGHTS)
     return cfg
 
 
@@ -73,7 +82,7 @@ def _timm_entrypoint(name: str, fn: Callable[..., nn.Module], feature_cfg: dict 
 
 def shipped_models() -> list[str]:
     """Names of the zoo models whose trained weights ship in the package, sorted."""
-    return sorted(p.stem for p in WEIGHTS_DIR.glob("*.safetensors") if (WEIGHTS_DIR / f"{p.stem}.json").is_file())
+    return sorted(p.parent.name for p in WEIGHTS_DIR.glob(f"*/{HUB_CONFIG}") if (p.parent / HUB_WEIGHTS).is_file())
 
 
 def register_model(first_conv: str, classifier: str = "head", *, fixed_input_size: bool = False,

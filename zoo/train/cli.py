@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "~/.cache/zoo/... when unset, never the data folder)")
     p.add_argument("--seed", type=int, help="seeds the split, the subsets, the shuffling and the weights")
     p.add_argument("--out", help="root folder of run directories: the run is written to OUT/<model>/<run-id>/")
+    p.add_argument("--logger", dest="loggers", action="append", metavar="NAME",
+                   help="also log to this Lightning logger: tensorboard (into RUN/tensorboard/), wandb, mlflow, "
+                   "comet; repeatable or comma-separated; metrics.csv is always written")
     p.add_argument("--resume", metavar="PATH|auto", help="continue a run directory / checkpoint of the same model "
                    "and model arguments, or (auto) the newest run of --model under --out")
     p.add_argument("--ckpt-every-n-steps", type=int, help="also write checkpoints/last.ckpt every N steps")
@@ -123,12 +126,14 @@ def main(argv=None) -> int:
         print(list_models())
         return 0
     from zoo.train.device import resolve_accelerator
+    from zoo.train.loggers import require_loggers
     from zoo.train.recipe import resolve_config
 
     try:  # argument errors come before Lightning is imported or any data is read
         flags = {k: v for k, v in vars(args).items() if k not in ("model", "config", "set", "list_models")}
         recipe = resolve_config(args.model, args.config, args.set, flags)
         resolve_accelerator(recipe.accelerator, recipe.devices)
+        require_loggers(recipe.loggers)
     except ValueError as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2

@@ -27,13 +27,13 @@ from ..models import create_model, model_info
 from .callbacks import Throughput, TimeBudget, ValidationClock
 from .data import ImageDataModule
 from .device import machine_name, resolve_accelerator, resolve_muon_dtype, resolve_precision
+from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
 from .optim import ema_avg_fn
 from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
 from .recipe import Recipe, parse_max_time
 from .runs import (
     AtomicCheckpointIO,
-    ResumableCSVLogger,
     check_resume_data,
     create_run_dir,
     find_run_dir,
@@ -72,6 +72,7 @@ def fit(recipe: Recipe) -> Path:
     ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends, once its model, model
     arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
     accelerator = resolve_accelerator(recipe.accelerator, recipe.devices)
+    require_loggers(recipe.loggers)
     run_dir, resume_from, new = find_run_dir(recipe)
     dm = build_datamodule(recipe)
     if resume_from is not None:
@@ -183,12 +184,13 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
 
 
 def build_trainer(plan: RunPlan, callbacks: RunCallbacks) -> pl.Trainer:
-    """The Lightning Trainer: metrics.csv kept across resumes, atomic checkpoint writes, no sanity check."""
+    """The Lightning Trainer: metrics.csv kept across resumes (and the recipe's other loggers), atomic checkpoint
+    writes, no sanity check."""
     recipe = plan.recipe
     return pl.Trainer(
         accelerator=plan.accelerator, devices=recipe.devices, strategy=recipe.strategy,
         num_nodes=recipe.num_nodes, precision=plan.precision, max_epochs=recipe.epochs,
-        logger=ResumableCSVLogger(plan.run_dir, resume_from=plan.resume_from), callbacks=callbacks.all,
+        logger=build_loggers(recipe.loggers, plan.run_dir, plan.resume_from), callbacks=callbacks.all,
         plugins=[callbacks.checkpoint_io], limit_train_batches=recipe.limit_train_batches,
         limit_val_batches=recipe.limit_val_batches, limit_test_batches=recipe.limit_test_batches,
         log_every_n_steps=min(50, recipe.ckpt_every_n_steps), num_sanity_val_steps=0)

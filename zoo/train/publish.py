@@ -1,10 +1,12 @@
-"""Shipping a trained run as the zoo's weights: ``publish_run`` evaluates a run's model on the whole test set
-(without and with test-time augmentation), writes ``zoo/weights/<model>.safetensors`` and its model card
-``<model>.json`` (recipe, command, machine, wall time, accuracies, params, FLOPs, the training data's mean /
-std that the pretrained cfg reports), both atomically. ``zoo.create_model(name, pretrained=True)`` and
-``timm.create_model("zoo_" + name, pretrained=True)`` then load them.
+"""Sharing a trained run's weights: ``publish_run`` evaluates a run's model on the whole test set (without and
+with test-time augmentation) and writes a folder in the Hugging Face Hub's layout (``zoo.models.hub``):
+config.json with the pretrained cfg and the model card (recipe, command, machine, wall time, accuracies, params,
+FLOPs, the training data's mean / std), model.safetensors and a README.md model card, each atomically.
+``timm.create_model("local-dir:" + folder, pretrained=True)`` loads it (after ``import zoo``), and so does
+``hf-hub:USER/REPO`` once the folder is uploaded (``huggingface_hub.upload_folder``). Maintainers ship weights with
+``--ship``: the folder goes to ``zoo/weights/<model>/``, which ``zoo.create_model(name, pretrained=True)`` reads.
 
-    python -m zoo.train.publish RUN_DIR --data-dir DIR --command "python train.py ..."
+    python -m zoo.train.publish RUN_DIR --out DIR --command "python train.py ..."
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch import nn
 
 from ..atomic import atomic_write, atomic_write_json
 from ..models.checkpoints import load_run
-from ..models.registry import WEIGHTS_DIR, model_info
+from ..models.hub import HUB_README, hub_config, hub_readme
+from ..models.registry import HUB_CONFIG, HUB_WEIGHTS, WEIGHTS_DIR, model_info
 from .data import ImageDataModule
 from .tta import tta_logits
 
@@ -81,42 +84,59 @@ def build_card(model: nn.Module, meta: dict, dm: ImageDataModule, command: str) 
     }
 
 
-def publish_run(run_dir: str | Path, *, data_dir: str | Path | None = None, command: str,
-                out_dir: str | Path = WEIGHTS_DIR, cache_dir: str | Path | None = None,
+def write_hub_folder(out_dir: str | Path, weights: bytes, card: dict) -> Path:
+    """Write ``out_dir/{config.json, model.safetensors, README.md}`` (each file atomically) and return out_dir;
+    ``weights`` is the safetensors file's content."""
+    out_dir = Path(out_dir)
+    atomic_write(out_dir / HUB_WEIGHTS, lambda f: f.write(weights))
+    atomic_write_json(out_dir / HUB_CONFIG, hub_config(card))
+    atomic_write(out_dir / HUB_README, lambda f: f.write(hub_readme(card).encode()))
+    return out_dir
+
+
+def publish_run(run_dir: str | Path, out_dir: str | Path, *, data_dir: str | Path | None = None,
+                command: str | None = None, cache_dir: str | Path | None = None,
                 max_test_images: int | None = None) -> dict:
-    """Write ``out_dir/<model>.safetensors`` and ``<model>.json`` for the run in ``run_dir`` (its best
+    """Write ``out_dir/{config.json, model.safetensors, README.md}`` for the run in ``run_dir`` (its best
     checkpoint), evaluated on the test split of ``data_dir`` (default: the run's; ``max_test_images``: a
-    seeded subset, for tests). Returns the card."""
+    seeded subset, for tests); ``command``: how it was trained (default: the run's ``train.py --config``
+    with its config.yaml). Returns the model card."""
     from safetensors.torch import save
 
     model, meta = load_run(run_dir)
     data_dir = data_dir or meta["config"].get("data_dir")
     if data_dir is None:
         raise ValueError(f"{run_dir} records no data folder: pass data_dir")
+    command = command or f"python train.py --config {Path(meta['ckpt_path']).parents[1] / 'config.yaml'}"
     card = build_card(model, meta, test_split(data_dir, cache_dir, max_test_images), command)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     blob = save(state, metadata={"model": card["model"], "format": "pt"})
     card["sha256"] = hashlib.sha256(blob).hexdigest()
-    out_dir = Path(out_dir)
-    atomic_write(out_dir / f"{card['model']}.safetensors", lambda f: f.write(blob))
-    atomic_write_json(out_dir / f"{card['model']}.json", card)
+    write_hub_folder(out_dir, blob, card)
     return card
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Ship a trained run's weights and model card in zoo/weights.")
+    p = argparse.ArgumentParser(description="Write a trained run's weights and model card in the Hugging Face "
+                                "Hub's layout, which timm.create_model('local-dir:DIR', pretrained=True) loads.")
     p.add_argument("run_dir", help="a run directory written by train.py")
     p.add_argument("--data-dir", help="the data whose test split is evaluated (default: the run's)")
-    p.add_argument("--command", required=True, help="the command that trained the run, for the model card")
-    p.add_argument("--out", default=str(WEIGHTS_DIR), help="output folder (default: the package's zoo/weights)")
+    p.add_argument("--command", help="the command that trained the run, for the model card (default: train.py "
+                   "with the run's config.yaml)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", help="output folder (default: published/<model> in the current folder)")
+    where.add_argument("--ship", action="store_true",
+                       help="maintainers: write into the package, zoo/weights/<model>/, the weights the zoo ships")
     args = p.parse_args(argv)
     try:
-        card = publish_run(args.run_dir, data_dir=args.data_dir, command=args.command, out_dir=args.out)
+        model = load_run(args.run_dir)[1]["model_name"]  # the folder's name comes before the test set is read
+        out = WEIGHTS_DIR / model if args.ship else Path(args.out or Path("published") / model)
+        card = publish_run(args.run_dir, out, data_dir=args.data_dir, command=args.command)
     except (ValueError, OSError) as err:
         print(f"publish: error: {err}", file=sys.stderr)
         return 2
     print(f"{card['model']}: test top-1 {card['test_top1']:.4f} ({card['test_top1_tta']:.4f} with TTA) on "
-          f"{card['test_images']} images -> {args.out}")
+          f"{card['test_images']} images -> {out}")
     return 0
 
 

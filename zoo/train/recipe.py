@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from .data import DEFAULT_AUGMENT
+from .loggers import logger_names
 from .optim import MUON_DTYPES, OPTIMIZERS, SCHEDULES
 from .tta import TTA_LEVELS
 
@@ -283,6 +284,8 @@ class Recipe:
     ckpt_every_minutes: float = _field(2.0, "write checkpoints/last.ckpt every this many minutes of training and "
                                        "at the end (0: only at the end and every N steps)", _number)
     out: str = _field("runs", "root of run directories: OUT/<model>/<run-id>/", _text)
+    loggers: list = _field([], "Lightning loggers beside metrics.csv (always written): tensorboard, wandb, mlflow, "
+                           "comet", logger_names)
     resume: str | None = _field(None, "auto, a run directory or a checkpoint to continue", _optional(_text))
     init_from: str | None = _field(None, "start from a zoo checkpoint or a timm ViT state_dict", _optional(_text))
     init_partial: bool = _field(False, "let init_from load under half of the model's parameter elements", _flag())
