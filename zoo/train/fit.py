@@ -18,18 +18,16 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     Timer,
-    TQDMProgressBar,
     WeightAveraging,
 )
 
 from ..atomic import atomic_write_json
 from ..models import create_model, model_info
-from .callbacks import Throughput, TimeBudget
+from .callbacks import EMAWeightAveraging, LossProgressBar, Throughput, TimeBudget
 from .data import ImageDataModule
 from .data.cache import user_cache_dir
 from .device import faster_precision, machine_name, remembered_choice, resolve_accelerator, resolve_precision
 from .module import ImageClassifier
-from .optim import ema_avg_fn
 from .recipe import Recipe, parse_max_time
 from .runs import (
     AtomicCheckpointIO,
@@ -183,7 +181,7 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
 
 def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
     """Checkpoints (best by val/top1, last every N steps), throughput, progress, LR log, the EMA of the weights
-    (Lightning's ``WeightAveraging``: validation, checkpoints and the test see the average), the time budget
+    (``EMAWeightAveraging``: validation, checkpoints and the test see the average), the time budget
     (less ``spent_s``, what the run spent before the fit: the precision probe, building the model and its
     whitening filters)."""
     recipe, ckpt_dir = plan.recipe, plan.run_dir / "checkpoints"
@@ -195,10 +193,10 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
     # only where the monitored score improved, so a run whose final validation did not improve kept an older one)
     latest = ModelCheckpoint(ckpt_dir, "last", enable_version_counter=False)
     throughput = Throughput()
-    callbacks = [best, steps, latest, throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
+    callbacks = [best, steps, latest, throughput, LossProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
                  LearningRateMonitor("step")]
     if recipe.ema_decay:
-        callbacks.append(WeightAveraging(avg_fn=ema_avg_fn(recipe.ema_decay)))
+        callbacks.append(EMAWeightAveraging(recipe.ema_decay))
     if recipe.max_time:
         callbacks += [TimeBudget(parse_max_time(recipe.max_time) - spent_s), Timer(recipe.max_time)]
     return RunCallbacks(best, throughput, callbacks)
