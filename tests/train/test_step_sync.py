@@ -199,14 +199,15 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("recipe", RECIPES.values(), ids=list(RECIPES))
-def test_training_steps_between_logging_steps_make_no_host_sync(recipe, image_tree, tmp_path):
-    augment, options = recipe
+def measured_windows(image_tree, tmp_path, augment: dict, options: dict, nan_check_every: int = 100
+                     ) -> list[StepSyncs]:
+    """Fit the tiny ViT for ``WARMUP + MEASURED + 1`` steps and return the recorded windows without a logging
+    step (there is one in the ``MEASURED`` windows: the step where ``global_step % LOG_EVERY == 0``)."""
     pl.seed_everything(0, verbose=False)
     dm = ImageDataModule(image_tree, img_size=16, batch_size=8, val_size=8, augment=augment,
                          cache_dir=tmp_path / "cache")
     module = ImageClassifier("vit_nano", TINY, num_classes=10, optimizer=options.get("optimizer", "adamw"),
-                             label_smoothing=options.get("label_smoothing", 0.0), nan_check_every=100)
+                             label_smoothing=options.get("label_smoothing", 0.0), nan_check_every=nan_check_every)
     windows = MeasureWindows()
     callbacks = [windows] + ([EMAWeightAveraging(0.9)] if options.get("ema") else [])
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=WARMUP + MEASURED + 1, limit_val_batches=0,
@@ -218,6 +219,20 @@ def test_training_steps_between_logging_steps_make_no_host_sync(recipe, image_tr
     assert len(windows.windows) == MEASURED and len(measured) == MEASURED - MEASURED // LOG_EVERY
     for window in measured:
         assert any(c.name in ("addmm", "mm", "bmm") for c in window.compute)  # a whole step was recorded
+    return measured
+
+
+@pytest.mark.parametrize("recipe", RECIPES.values(), ids=list(RECIPES))
+def test_training_steps_between_logging_steps_make_no_host_sync(recipe, image_tree, tmp_path):
+    for window in measured_windows(image_tree, tmp_path, *recipe):
         syncs = [f"{c.name} at {site}" for c, site in zip(window.device_syncs, window.sync_sites, strict=True)]
         assert syncs == []
         assert window.uploads <= 1, f"{window.uploads} tensors built from Python data met device data in one step"
+
+
+def test_the_recorder_sees_the_nan_checks_read_of_the_device_flag(image_tree, tmp_path):
+    """The NaN check reads the flag on the host once per check: checked at every step, each window has that one
+    sync and no other, so the recorder does see a read made through Lightning's loop."""
+    for window in measured_windows(image_tree, tmp_path, {}, {}, nan_check_every=1):
+        assert [c.name for c in window.device_syncs] == ["_local_scalar_dense"]
+        assert "module.py" in window.sync_sites[0]
