@@ -299,7 +299,7 @@ def _check_fully_masked(attn, x, mask, rows):
 
 @pytest.mark.parametrize("backend, kind", [*((b, k) for b in EXACT for k in ("bool", "float")),
                                             ("linear", "bool")])  # linear takes only bool key masks
-@pytest.mark.parametrize("precision", ["fp32", "autocast_bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "autocast_bf16", "autocast_fp16", "fp16"])
 def test_fully_masked_rows_give_proj_bias_and_no_nan(backend, kind, precision):
     b, n = 2, 5
     make_mask = _key_padding_fully_masked if backend == "linear" else _fully_masked
@@ -311,8 +311,8 @@ def test_fully_masked_rows_give_proj_bias_and_no_nan(backend, kind, precision):
     if precision == "fp16":
         attn, x, mask = attn.half(), x.half(), mask.half() if kind == "float" else mask
         _check_fully_masked(attn, x, mask, rows)
-    elif precision == "autocast_bf16":
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    elif precision.startswith("autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16 if precision == "autocast_bf16" else torch.float16):
             _check_fully_masked(attn, x, mask, rows)
     else:
         _check_fully_masked(attn, x, mask, rows)

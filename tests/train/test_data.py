@@ -25,7 +25,9 @@ from torch.utils.data import DistributedSampler
 
 import zoo.train.data.decode
 from zoo.bench import measure_throughput
+from zoo.bench.dispatch import OpRecorder
 from zoo.train.data import DataError, ImageDataModule, cutout, random_crop, random_hflip
+from zoo.train.data.augment import AlternatingFlip
 
 CLASSES = ["cat", "dog", "frog"]
 CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -607,3 +609,14 @@ def test_real_cifar10_subset(cifar_dir, tmp_path, no_download, decode_calls):
     images, labels = next(iter(dm.train_dataloader()))
     out, _ = dm.on_after_batch_transfer((images, labels), 0)
     assert out.shape == (64, 3, 32, 32) and abs(out.mean().item()) < 0.5
+
+
+def test_alternating_flip_moves_its_table_to_the_batch_device_once():
+    """On the meta device (a stand-in for an accelerator): one copy of the table, not one per batch."""
+    flip = AlternatingFlip(10, seed=0, epoch=lambda: 0)
+    images, index = torch.zeros(4, 3, 2, 2, device="meta"), torch.arange(4, device="meta")
+    with OpRecorder() as ops:
+        for _ in range(3):
+            flip(images, index)
+    assert flip.start.device.type == "meta"
+    assert [c.name for c in ops.calls].count("_to_copy") == 1

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import zoo
 from zoo.models.checkpoints import load_run
+from zoo.train.callbacks import EMAWeightAveraging, LossProgressBar
 from zoo.train.module import ImageClassifier, NonFiniteLossError, WarmupCosine
 from zoo.train.optim import MuonAdamW
 from zoo.train.runs import AtomicCheckpointIO
@@ -114,6 +115,48 @@ def test_nan_check_does_not_sync_between_checks(tmp_path):
     assert int(module.first_bad_step) == 1
     with pytest.raises(NonFiniteLossError, match="step 1"):
         module.on_save_checkpoint({})
+
+
+class _Snapshots(pl.Callback):
+    """The model's parameters after every optimizer step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append([p.detach().clone() for p in pl_module.model.parameters()])
+
+
+def test_ema_callback_leaves_the_hand_written_average_in_the_model(tmp_path):
+    """EMA after each of 6 steps: a copy first, then keep min(0.9, (1 + n) / (10 + n)) after n updates;
+    Lightning puts the average into the module when training ends."""
+    snapshots, module = _Snapshots(), tiny_module()
+    run = trainer(tmp_path, max_steps=6, limit_val_batches=0, enable_checkpointing=False,
+                  callbacks=[snapshots, EMAWeightAveraging(0.9)])
+    run.fit(module, datamodule=Batches())
+    expected = snapshots.steps[0]
+    for n, params in enumerate(snapshots.steps[1:], start=1):
+        kept = min(0.9, (1 + n) / (10 + n))
+        expected = [kept * e + (1 - kept) * p for e, p in zip(expected, params, strict=True)]
+    assert len(snapshots.steps) == 6
+    assert not torch.allclose(expected[0], snapshots.steps[-1][0])  # the average is not the last weights
+    for average, hand in zip(module.model.parameters(), expected, strict=True):
+        torch.testing.assert_close(average, hand)
+
+
+def test_progress_bar_shows_the_training_loss_that_is_off_lightnings_progress_bar_dict(tmp_path):
+    bar, shown = LossProgressBar(), []
+
+    class Read(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            shown.append((bar.get_metrics(trainer, pl_module), float(outputs["loss"])))
+
+    run = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_model_summary=False, max_steps=2,
+                     limit_val_batches=0, enable_checkpointing=False, callbacks=[bar, Read()],
+                     default_root_dir=tmp_path)
+    run.fit(tiny_module(), datamodule=Batches())
+    assert [metrics["train/loss"] for metrics, _ in shown] == [f"{loss:.3g}" for _, loss in shown]
+    assert "train/loss_step" not in run.progress_bar_metrics  # Lightning itself holds no loss to convert
 
 
 def test_atomic_checkpoint_io_keeps_the_old_file_when_a_write_fails(tmp_path):

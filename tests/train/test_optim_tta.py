@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zoo
-from zoo.train.optim import WarmupDecay, build_optimizer, ema_avg_fn, param_groups
+from zoo.bench.dispatch import OpRecorder
+from zoo.train.optim import WarmupDecay, build_optimizer, ema_multi_avg_fn, param_groups
 from zoo.train.tta import tta_logits
 
 
@@ -50,13 +51,20 @@ def test_optimizers():
         build_optimizer("lion", [{"params": [weight]}], 0.1)
 
 
-def test_ema_decay_warms_up():
-    average = ema_avg_fn(0.99)
-    avg, cur = torch.zeros(2), torch.ones(2)
-    assert torch.allclose(average(avg, cur, 0), torch.full((2,), 1 - 1 / 10))  # decay (1 + 0) / (10 + 0)
-    assert torch.allclose(average(avg, cur, 10_000), torch.full((2,), 0.01))  # capped at 0.99
+def test_ema_copies_first_then_warms_up_its_decay_without_a_sync():
+    average = ema_multi_avg_fn(0.99)
+    current = [torch.randn(3), torch.randn(2, 2)]
+    averaged = [torch.randn(3), torch.randn(2, 2)]
+    with OpRecorder() as ops:
+        average(averaged, current, torch.tensor(0))  # the first update copies
+    assert ops.syncs == [] and all(torch.equal(a, c) for a, c in zip(averaged, current, strict=True))
+    for n, kept in ((1, 2 / 11), (10_000, 0.99)):  # min(0.99, (1 + n) / (10 + n)) of the average kept
+        before, current = [a.clone() for a in averaged], [torch.randn(3), torch.randn(2, 2)]
+        average(averaged, current, torch.tensor(n))
+        for a, b, c in zip(averaged, before, current, strict=True):
+            torch.testing.assert_close(a, kept * b + (1 - kept) * c)
     with pytest.raises(ValueError, match=r"ema_decay must lie in \(0, 1\)"):
-        ema_avg_fn(1.0)
+        ema_multi_avg_fn(1.0)
 
 
 def test_tta_levels_by_hand():

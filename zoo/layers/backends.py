@@ -9,7 +9,10 @@ matrix and hands it out by query rows, so the chunked backend never holds N x M 
   an approximation of softmax attention, linear in N.
 
 A query row whose keys are all masked gets output 0, never NaN: its row is opened before the softmax and
-zeroed after (``row_ok``)."""
+zeroed after (``row_ok``). Under fp16 / bf16 (autocast or a half-precision module) a float mask keeps its meaning:
+finite values are clamped to the dtype's range (-1e9 stays a finite penalty, never -inf, so only true -inf or
+False marks a key as masked), the math backend adds it to the scores in fp32, and linear attention runs its
+reductions in fp32 outside autocast."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .checks import tracing
 from .masks import MaskSpec, causal_mask
 
 
@@ -79,21 +83,29 @@ class Masking:
         if additive is None:
             row_ok = allowed.any(dim=-1, keepdim=True)
             return allowed | ~row_ok, row_ok
-        additive = additive.to(dtype)
         if allowed is None and self.mask is None:  # only the (finite) relative bias: no row can be fully masked
-            return additive, None
+            return additive.to(dtype), None
         if allowed is not None:
             additive = additive.masked_fill(~allowed, float("-inf"))
-        row_ok = (additive != float("-inf")).any(dim=-1, keepdim=True)
-        return additive.masked_fill(~row_ok, 0.0), row_ok
+        row_ok = (additive != float("-inf")).any(dim=-1, keepdim=True)  # before the cast, which may add -inf
+        return _cast_finite(additive.masked_fill(~row_ok, 0.0), dtype), row_ok
+
+
+def _cast_finite(additive: torch.Tensor, dtype) -> torch.Tensor:
+    """``additive`` in ``dtype`` with its finite values clamped to the dtype's range: -1e9 becomes fp16's -65504
+    (still a penalty that zeroes the key's weight) rather than -inf (which would read as masked); -inf stays."""
+    if tracing():  # torch.fx: dtype is a graph value; traced masks are bool specs plus a small relative bias
+        return additive.to(dtype)
+    info = torch.finfo(dtype)
+    return torch.where(additive == float("-inf"), additive, additive.clamp(info.min, info.max)).to(dtype)
 
 
 def math_attention(q, k, v, bias, row_ok, dropout_p: float, need_weights: bool, boolean: bool = True):
     """Reference softmax attention. q: (B, H, N, D), k/v: (B, H, M, D); bias broadcastable to (B, H, N, M),
     bool (True = attend) when ``boolean``, else float (added)."""
     scores = torch.einsum("bhnd,bhmd->bhnm", q * q.shape[-1] ** -0.5, k)
-    if bias is not None:
-        scores = scores.masked_fill(~bias, float("-inf")) if boolean else scores + bias
+    if bias is not None:  # a float bias is added in fp32: fp16's -65504 plus a negative score would overflow
+        scores = scores.masked_fill(~bias, float("-inf")) if boolean else scores.float() + bias
     weights = scores.softmax(dim=-1, dtype=torch.float32)
     if row_ok is not None:
         weights = weights * row_ok
@@ -134,26 +146,29 @@ def linear_attention(q, k, v, masking: Masking, need_weights: bool):
         raise ValueError("the linear backend supports only boolean key masks of shape (B, 1, 1, M) and "
                          "is_causal; use backend='sdpa' or 'math' for other masks or a relative position "
                          "bias")
-    dtype = q.dtype
-    q, k, v = (_elu_feature(q.float()), _elu_feature(k.float()), v.float())
-    if mask is not None:
-        k = k * mask[..., 0, :, None]  # masked keys contribute nothing
-    if masking.causal:
-        if masking.n != masking.m:
-            raise ValueError("the linear backend needs N == M with is_causal (no KV cache)")
-        kv = torch.einsum("bhmd,bhme->bhmde", k, v).cumsum(dim=2)
-        num = torch.einsum("bhnd,bhnde->bhne", q, kv)
-        den = torch.einsum("bhnd,bhnd->bhn", q, k.cumsum(dim=2))[..., None]
-    else:
-        num = torch.einsum("bhnd,bhde->bhne", q, torch.einsum("bhmd,bhme->bhde", k, v))
-        den = torch.einsum("bhnd,bhd->bhn", q, k.sum(dim=2))[..., None]
-    out = _divide_or_zero(num, den)  # den = 0 only when every key is masked
-    weights = None
-    if need_weights:
-        affinity = torch.einsum("bhnd,bhmd->bhnm", q, k)
+    if masking.causal and masking.n != masking.m:
+        raise ValueError("the linear backend needs N == M with is_causal (no KV cache)")
+    dtype = q.dtype  # under autocast: the dtype the projections ran in, which the output returns to
+    # fp32 sums: in fp16 the normaliser (~ head_dim * M) overflows 65,504 from ~1,000 keys on; .float() alone
+    # would not do, as autocast runs every einsum in its own dtype again
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v = (_elu_feature(q.float()), _elu_feature(k.float()), v.float())
+        if mask is not None:
+            k = k * mask[..., 0, :, None]  # masked keys contribute nothing
         if masking.causal:
-            affinity = affinity * causal_mask(masking.n, masking.m, device=q.device)
-        weights = _divide_or_zero(affinity, affinity.sum(-1, keepdim=True))
+            kv = torch.einsum("bhmd,bhme->bhmde", k, v).cumsum(dim=2)
+            num = torch.einsum("bhnd,bhnde->bhne", q, kv)
+            den = torch.einsum("bhnd,bhnd->bhn", q, k.cumsum(dim=2))[..., None]
+        else:
+            num = torch.einsum("bhnd,bhde->bhne", q, torch.einsum("bhmd,bhme->bhde", k, v))
+            den = torch.einsum("bhnd,bhd->bhn", q, k.sum(dim=2))[..., None]
+        out = _divide_or_zero(num, den)  # den = 0 only when every key is masked
+        weights = None
+        if need_weights:
+            affinity = torch.einsum("bhnd,bhmd->bhnm", q, k)
+            if masking.causal:
+                affinity = affinity * causal_mask(masking.n, masking.m, device=q.device)
+            weights = _divide_or_zero(affinity, affinity.sum(-1, keepdim=True))
     return out.to(dtype), weights
 
 

@@ -1,16 +1,21 @@
 """Training callbacks: ``TimeBudget`` fits the step count and the learning-rate schedule to a wall-clock
 budget (``--max-time``); ``Throughput`` measures training images per second, validation excluded;
-``ValidationClock`` logs the fit's wall time beside each validation's scores (time to an accuracy)."""
+``ValidationClock`` logs the fit's wall time beside each validation's scores (time to an accuracy);
+``EMAWeightAveraging`` keeps an exponential moving average of the weights and ``LossProgressBar`` shows the
+training loss, neither of them reading a device value on the host between progress-bar refreshes."""
 
 from __future__ import annotations
 
 import math
 import time
+from itertools import chain
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar, WeightAveraging
 
 from .device import synchronize
+from .optim import ema_multi_avg_fn
 
 
 class TimeBudget(pl.Callback):
@@ -141,3 +146,46 @@ class ValidationClock(pl.Callback):
         if self._t0 is not None and not trainer.sanity_checking:
             pl_module.log("time/elapsed_s", time.perf_counter() - self._t0, on_epoch=True)
 
+
+class EMAWeightAveraging(WeightAveraging):
+    """Lightning's ``WeightAveraging`` (validation, checkpoints and the test see the average) with the EMA of
+    ``optim.ema_multi_avg_fn`` after every optimizer step, over parameters and buffers. The update never syncs:
+    ``AveragedModel.update_parameters`` would read its count on the host twice per update (``bool(n == 0)``),
+    so the callback runs the foreach average itself, the count staying on the device."""
+
+    def __init__(self, decay: float):
+        self._average_fn = ema_multi_avg_fn(decay)
+        super().__init__(use_buffers=True, multi_avg_fn=self._average_fn)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step_idx = trainer.global_step - 1  # as WeightAveraging: updates once per optimizer step
+        if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
+            average = self._average_model
+            pairs = zip(chain(average.module.parameters(), average.module.buffers()),
+                        chain(pl_module.parameters(), pl_module.buffers()), strict=True)
+            groups: dict[torch.dtype, tuple[list, list]] = {}
+            for averaged, current in pairs:
+                averaged, current = averaged.detach(), current.detach()
+                if averaged.is_floating_point():
+                    lists = groups.setdefault(averaged.dtype, ([], []))
+                    lists[0].append(averaged)
+                    lists[1].append(current)
+                else:  # integer buffers (counters, flags) follow the model, as AveragedModel copies them
+                    averaged.copy_(current)
+            for averaged, current in groups.values():
+                self._average_fn(averaged, current, average.n_averaged)
+            average.n_averaged += 1
+            self._latest_update_step = trainer.global_step
+
+
+class LossProgressBar(TQDMProgressBar):
+    """Lightning's progress bar with the latest training loss read only when it refreshes: the module logs the
+    loss without ``prog_bar`` (Lightning turns progress-bar values into Python numbers after every batch, one
+    host sync per step), and this bar reads it from the callback metrics at its own refresh rate."""
+
+    def get_metrics(self, trainer, pl_module):
+        metrics = super().get_metrics(trainer, pl_module)
+        loss = trainer.callback_metrics.get("train/loss_step")
+        if trainer.training and loss is not None:
+            metrics["train/loss"] = f"{loss.item():.3g}"
+        return metrics

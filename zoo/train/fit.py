@@ -18,18 +18,16 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     Timer,
-    TQDMProgressBar,
     WeightAveraging,
 )
 
 from ..atomic import atomic_write_json
 from ..models import create_model, model_info
-from .callbacks import Throughput, TimeBudget, ValidationClock
+from .callbacks import EMAWeightAveraging, LossProgressBar, Throughput, TimeBudget, ValidationClock
 from .data import ImageDataModule
 from .device import machine_name, resolve_accelerator, resolve_muon_dtype, resolve_precision
 from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
-from .optim import ema_avg_fn
 from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
 from .recipe import Recipe, parse_max_time
 from .runs import (
@@ -158,7 +156,7 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
 
 def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
     """Checkpoints (best by val/top1; last every N steps, every few minutes and at the end), throughput
-    (checkpoint writes excluded), progress, LR log, the EMA of the weights (Lightning's ``WeightAveraging``:
+    (checkpoint writes excluded), progress, LR log, the EMA of the weights (``EMAWeightAveraging``:
     validation, checkpoints and the test see the average), the time budget (less ``spent_s``, what the run spent
     before the fit: the precision probe, building the model and its whitening filters)."""
     recipe, ckpt_dir, writes = plan.recipe, plan.run_dir / "checkpoints", AtomicCheckpointIO()
@@ -174,10 +172,10 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
         interval = timedelta(minutes=recipe.ckpt_every_minutes)
         callbacks.append(ModelCheckpoint(ckpt_dir, "last", train_time_interval=interval, enable_version_counter=False))
     throughput = Throughput(writes)
-    callbacks += [throughput, TQDMProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
+    callbacks += [throughput, LossProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
                   LearningRateMonitor("step"), ValidationClock()]
     if recipe.ema_decay:
-        callbacks.append(WeightAveraging(avg_fn=ema_avg_fn(recipe.ema_decay)))
+        callbacks.append(EMAWeightAveraging(recipe.ema_decay))
     if recipe.max_time:
         callbacks += [TimeBudget(parse_max_time(recipe.max_time) - spent_s), Timer(recipe.max_time)]
     return RunCallbacks(best, throughput, callbacks, writes)

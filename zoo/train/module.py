@@ -92,7 +92,9 @@ class ImageClassifier(pl.LightningModule):
         labels = targets.argmax(dim=1) if targets.ndim == 2 else targets
         metrics = self.metrics[f"{stage}_acc"]
         metrics.update(logits.detach(), labels)
-        self.log(f"{stage}/loss", loss.detach(), on_step=stage == "train", on_epoch=True, prog_bar=True,
+        # training's loss stays off Lightning's progress-bar dict, which becomes Python numbers after every batch
+        # (a host sync per step): callbacks.LossProgressBar shows it when the bar refreshes
+        self.log(f"{stage}/loss", loss.detach(), on_step=stage == "train", on_epoch=True, prog_bar=stage != "train",
                  sync_dist=stage != "train", batch_size=images.shape[0])
         self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=stage != "train")
         return loss
@@ -100,7 +102,8 @@ class ImageClassifier(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         loss = self._shared_step(batch, "train")
         bad = ~torch.isfinite(loss.detach()) & (self.first_bad_step < 0)
-        self.first_bad_step = torch.where(bad, torch.tensor(self.global_step, device=loss.device),
+        # the step number filled in on the device (a kernel argument), not copied from host memory
+        self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, self.global_step),
                                           self.first_bad_step)
         every = self.hparams.nan_check_every or (1 if loss.device.type == "cpu" else 50)
         if self.global_step % every == 0:

@@ -215,15 +215,19 @@ def build_optimizer(name: str, groups: list[dict], lr: float, *, momentum: float
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 
-def ema_avg_fn(decay: float):
-    """``torch.optim.swa_utils.AveragedModel`` averaging function: an EMA whose decay warms up as
-    ``min(decay, (1 + n) / (10 + n))`` after n updates, so the average follows the fast early changes."""
+def ema_multi_avg_fn(decay: float):
+    """``torch.optim.swa_utils.AveragedModel``'s ``multi_avg_fn``: an EMA of lists of same-dtype tensors in
+    place, with foreach ops and the update count ``num_averaged`` as a device tensor, so it never reads a value
+    on the host. The first update (n = 0) copies; later ones keep ``min(decay, (1 + n) / (10 + n))`` of the
+    average after n earlier updates, a warm-up of the decay so the average follows the fast early changes."""
     if not 0.0 < decay < 1.0:
         raise ValueError(f"ema_decay must lie in (0, 1), got {decay!r}")
 
-    def average(averaged: torch.Tensor, current: torch.Tensor, num_averaged) -> torch.Tensor:
-        n = float(num_averaged)
-        d = min(decay, (1.0 + n) / (10.0 + n))
-        return averaged + (current - averaged) * (1.0 - d)
+    @torch.no_grad()
+    def average(averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor) -> None:
+        n = num_averaged.to(averaged[0].dtype)
+        kept = torch.where(n == 0, 0.0, ((1 + n) / (10 + n)).clamp(max=decay))  # 0-dim, on the device
+        torch._foreach_mul_(averaged, kept)
+        torch._foreach_add_(averaged, torch._foreach_mul(current, 1 - kept))  # kept = 0: exactly a copy
 
     return average

@@ -118,7 +118,9 @@ class AlternatingFlip:
 
     def __call__(self, images: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) of dataset rows ``index`` (B,), mirrored where this epoch says so."""
-        flip = self.start.to(index.device)[index] ^ bool(self.epoch() % 2)
+        if self.start.device != index.device:  # moved once, not copied from host memory at every batch
+            self.start = self.start.to(index.device)
+        flip = self.start[index] ^ bool(self.epoch() % 2)
         return random_hflip(images, flip)
 
 

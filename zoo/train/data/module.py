@@ -36,9 +36,19 @@ class _TensorBatches(Dataset):
         return self.images[index], self.labels[index]
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.as_tensor(indices, device=self.labels.device)
+        index = _to_device(torch.tensor(indices), self.labels.device)
         images = self.images[index]
         return (images if self.flip is None else self.flip(images, index)), self.labels[index]
+
+
+def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on ``device``: on CUDA copied from pinned memory without blocking the host (a copy
+    from pageable memory waits for the device to finish its queue); unchanged on the CPU."""
+    if device.type == "cpu":
+        return index
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
 
 
 def _as_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
