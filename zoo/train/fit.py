@@ -45,13 +45,12 @@ WHITENING_IMAGES = 5000  # training images whose patches set the whitening filte
 
 @dataclass(frozen=True)
 class RunPlan:
-    """A recipe with what it resolved to on this machine: the run directory and the checkpoint to resume."""
+    """A recipe with what it resolved to on this machine (its precision, optimizer and muon_dtype the ones chosen
+    here): the run directory and the checkpoint to resume."""
 
     recipe: Recipe
     accelerator: str            # "cpu" or "gpu" ("auto" resolved)
     precision: str              # "32", "bf16-mixed" or "16-mixed" ("auto" resolved)
-    optimizer: str              # the recipe's, or the cheaper one its optimizer_min_speed measured
-    muon_dtype: str             # "float32" or "bfloat16" ("auto" resolved for the device)
     run_dir: Path
     resume_from: Path | None    # checkpoints/last.ckpt of a resumed run, else None
     setup_s: float = 0.0        # seconds the run spent before its model was built (the precision probe)
@@ -92,8 +91,7 @@ def fit(recipe: Recipe) -> Path:
         optimizer = probe_optimizer(recipe, precision, muon_dtype)
     resolved = replace(recipe, precision=precision, muon_dtype=muon_dtype, optimizer=optimizer)
     created = create_run_dir(resolved, run_dir)
-    plan = RunPlan(resolved, accelerator, precision, optimizer, muon_dtype, run_dir, resume_from,
-                   time.perf_counter() - start)
+    plan = RunPlan(resolved, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
     try:
         return train_and_test(plan, dm)
     except BaseException:
@@ -144,7 +142,7 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
         recipe.model, model_args(recipe), num_classes=dm.num_classes, lr=recipe.lr, weight_decay=recipe.weight_decay,
         warmup_frac=min(recipe.warmup_epochs / max(recipe.epochs, 1), 1.0), min_lr_ratio=recipe.min_lr_ratio,
         label_smoothing=recipe.label_smoothing, channels_last=uses_channels_last(recipe), compile=recipe.compile,
-        optimizer=plan.optimizer, muon_dtype=plan.muon_dtype, momentum=recipe.momentum,
+        optimizer=recipe.optimizer, muon_dtype=recipe.muon_dtype, momentum=recipe.momentum,
         no_decay_lr_scale=recipe.no_decay_lr_scale, schedule=recipe.schedule, tta=recipe.tta)
     # a resumed run's checkpoint holds its filters; fit_whitening=false keeps the random ones (the ablation)
     if plan.resume_from is None and module.whitening_layers and recipe.fit_whitening:
@@ -220,7 +218,7 @@ def summarize(plan: RunPlan, trainer: pl.Trainer, callbacks: RunCallbacks, fit_s
         "label_smoothing": plan.recipe.label_smoothing,
         "num_classes": dm.num_classes, "class_names": list(dm.class_names), "img_size": dm.img_size,
         "mean": list(dm.mean), "std": list(dm.std), "machine": machine_name(plan.accelerator),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(), "optimizer": plan.optimizer,
-        "muon_dtype": plan.muon_dtype,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(), "optimizer": plan.recipe.optimizer,
+        "muon_dtype": plan.recipe.muon_dtype,
         **({"peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if plan.accelerator == "gpu" else {}),
     }
