@@ -1,10 +1,18 @@
 """pyproject.toml's promises: dependencies with lower bounds only (a newer torch than CI's pinned one is accepted,
-so pip never downgrades it), each bound with its reason beside it and met by the installed environment, the test
-dependencies in the dev extra, an Apache-2.0 LICENSE with its classifier, and one version (``zoo.__version__``)."""
+so pip never downgrades it: checked on the specifiers, and in a slow test by pip itself in a fresh virtual
+environment holding a stub torch 99.0, offline, with CI's pinned release on offer), each bound with its reason beside
+it and met by the installed environment, the test dependencies in the dev extra, an Apache-2.0 LICENSE with its
+classifier, and one version (``zoo.__version__``)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from importlib.metadata import version
 from pathlib import Path
 
@@ -42,3 +50,41 @@ def test_license_and_single_version():
     assert "License :: OSI Approved :: Apache Software License" in PROJECT["classifiers"]
     assert "version" not in PROJECT and PROJECT["dynamic"] == ["version"]
     assert re.fullmatch(r"\d+\.\d+\.\d+", zoo.__version__)
+
+
+def stub_wheel(folder: Path, name: str, version: str) -> None:
+    """An empty wheel of ``name`` ``version`` (metadata only, no requirements) in ``folder``."""
+    dist = f"{re.sub(r'[-_.]+', '_', name)}-{version}"
+    with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as whl:
+        whl.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        whl.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: stub\nRoot-Is-Purelib: true\n"
+                                                "Tag: py3-none-any\n")
+        whl.writestr(f"{dist}.dist-info/RECORD", "")
+
+
+@pytest.mark.slow
+def test_pip_keeps_a_newer_torch_already_installed(tmp_path):
+    stubs, src, venv = tmp_path / "stubs", tmp_path / "src", tmp_path / "venv"
+    stubs.mkdir()
+    for line in PROJECT["dependencies"] + PROJECT["optional-dependencies"]["dev"]:
+        stub_wheel(stubs, Requirement(line).name, "99.0")
+    stub_wheel(stubs, "torch", "2.14.1")   # what CI pins, on offer beside the newer one
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(REPO / name, src / name)
+    shutil.copytree(REPO / "zoo", src / "zoo", ignore=shutil.ignore_patterns("__pycache__", "weights"))
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    # zoo's wheel is built here (the fresh environment's setuptools may lack bdist_wheel): pip resolves its
+    # dependencies exactly as for ``pip install -e ".[dev]"``
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
+                    stubs, src], check=True, env=env, capture_output=True, timeout=300, cwd=tmp_path)
+    (wheel,) = stubs.glob("zoo-*.whl")
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=300)   # its own pip
+    pip = [venv / "bin" / "python", "-m", "pip", "--no-input", "install", "--no-index", "--find-links", stubs]
+    subprocess.run([*pip, "torch==99.0"], check=True, env=env, capture_output=True, timeout=300)
+    done = subprocess.run([*pip, "--dry-run", "--report", tmp_path / "report.json", f"zoo[dev] @ {wheel.as_uri()}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    chosen = {item["metadata"]["name"]: item["metadata"]["version"]
+              for item in json.loads((tmp_path / "report.json").read_text())["install"]}
+    assert "zoo" in chosen and "torch" not in chosen, chosen   # the installed torch 99.0 satisfies zoo
