@@ -28,6 +28,15 @@ from .callbacks import Throughput, TimeBudget
 from .data import ImageDataModule
 from .data.cache import user_cache_dir
 from .device import faster_precision, machine_name, remembered_choice, resolve_accelerator, resolve_precision
+from .distributed import (
+    external_environment,
+    is_global_zero,
+    on_rank_zero,
+    open_process_group,
+    planned_world_size,
+    rank_zero_first,
+    split_batch,
+)
 from .module import ImageClassifier
 from .optim import ema_avg_fn
 from .recipe import Recipe, parse_max_time
@@ -70,28 +79,40 @@ def fit(recipe: Recipe) -> Path:
     ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends, once its model, model
     arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
     accelerator = resolve_accelerator(recipe.accelerator, recipe.devices)
-    run_dir, resume_from, new = find_run_dir(recipe)
-    dm = build_datamodule(recipe)
+    world_size = planned_world_size(recipe.devices, recipe.num_nodes, accelerator)
+    split_batch(recipe.batch_size, world_size)  # before anything is written
+    report_auto_devices(recipe, accelerator, world_size)
+    open_process_group(accelerator)  # under torchrun / SLURM: rank 0 chooses the run directory for all ranks
+    run_dir, resume_from, new = on_rank_zero(lambda: find_run_dir(recipe))
+    dm = rank_zero_first(lambda: build_datamodule(recipe))  # one process builds the data cache
     if resume_from is not None:
         check_resume_data(resume_from, dm.num_classes, dm.class_names)
     elif recipe.init_from:  # a refused --init-from fails before the precision probe's seconds
         match_init(create_model(recipe.model, num_classes=dm.num_classes, **model_args(recipe)), recipe.init_from,
                    allow_partial=recipe.init_partial)
     start = time.perf_counter()
-    one_process = recipe.devices in ("auto", 1) and recipe.num_nodes == 1  # DDP ranks must not choose apart
+    one_process = world_size == 1  # DDP ranks must not measure (and choose) apart
     precision = recipe.precision
     if precision == "auto" and resume_from is not None:  # a resumed run keeps the precision it started in
         precision = recorded_precision(run_dir, accelerator)
     precision = resolve_precision(precision, accelerator,
                                   (lambda options: probe_precision(recipe, options)) if one_process else None)
-    created = create_run_dir(replace(recipe, precision=precision), run_dir)
+    created = on_rank_zero(lambda: create_run_dir(replace(recipe, precision=precision), run_dir))
     plan = RunPlan(recipe, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
     try:
         return train_and_test(plan, dm)
     except BaseException:
-        if new:
+        if new and is_global_zero():
             remove_failed_run(run_dir, created)
         raise
+
+
+def report_auto_devices(recipe: Recipe, accelerator: str, world_size: int) -> None:
+    """One line when ``devices: auto`` takes several GPUs of this machine (printed by rank 0 only)."""
+    if recipe.devices == "auto" and accelerator == "gpu" and world_size > 1 and external_environment() is None \
+            and is_global_zero():
+        print(f"--devices auto: all {world_size} GPUs of this machine, one DDP process each; batch_size "
+              f"{recipe.batch_size} is the global batch ({recipe.batch_size // world_size} per GPU)")
 
 
 def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
