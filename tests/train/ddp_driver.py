@@ -3,7 +3,8 @@
     python ddp_driver.py train TRAIN_ARGS...   train.py's main with a recorder: each rank writes
         $ZOO_TEST_RECORD/rank<R>.json (the (global step, learning rate) of every optimizer step, the time budget's
         fitted step count, batches per epoch) and rank<R>.pt (its final weights), and every summary.json / config.yaml
-        write is logged to writes-rank<R>.txt. ZOO_TEST_SKEW=S makes rank 1 start its clock S seconds late.
+        write is logged to writes-rank<R>.txt. ZOO_TEST_SKEW=S makes rank 1 start its clock S seconds late;
+        ZOO_TEST_NAN_AT=K flags a non-finite loss on rank 1 alone at step K.
     python ddp_driver.py test CKPT DATA_DIR N DEVICES CACHE_DIR   Lightning's test of CKPT (``lightning_test``) on N
         test images with DEVICES CPU processes; rank 0 writes $ZOO_TEST_RECORD/test.json with the logged metrics."""
 
@@ -37,6 +38,8 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append((trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]))
+        if trainer.global_rank == 1 and str(trainer.global_step) == os.environ.get("ZOO_TEST_NAN_AT"):
+            pl_module.first_bad_step.fill_(trainer.global_step)  # as if rank 1 alone had seen a NaN loss here
 
     def on_train_end(self, trainer, pl_module):
         from zoo.train.callbacks import TimeBudget

@@ -137,6 +137,21 @@ def test_one_and_two_processes_run_the_same_steps_and_learning_rates(cifar_dir, 
     assert seen[1][0]["steps"] == seen[2][0]["steps"] == seen[2][1]["steps"]
 
 
+def test_a_nan_loss_on_one_rank_stops_every_rank(cifar_dir, tmp_path):
+    """Rank 1 alone flags a non-finite loss at step 3: both ranks stop at the next check with the error (exit 1),
+    rather than rank 0 waiting in an all-reduce rank 1 never joins."""
+    record = tmp_path / "record"
+    record.mkdir()
+    cmd = [sys.executable, str(DRIVER), "train",
+           *train_args(cifar_dir, tmp_path, "--epochs", "2", "--accelerator", "cpu", "--devices", "2",
+                       "--strategy", "ddp", "--ckpt-every-n-steps", "1000")]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=clean_env(record, ZOO_TEST_NAN_AT="3"),
+                          timeout=150)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "non-finite training loss at optimizer step 3" in done.stderr
+    assert not list(record.glob("rank*.json"))  # neither rank finished training
+
+
 def test_torchrun_two_processes_share_one_resumable_run(cifar_dir, tmp_path):
     record = tmp_path / "record"
     record.mkdir()

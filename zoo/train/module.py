@@ -75,6 +75,8 @@ class ImageClassifier(pl.LightningModule):
         self.eval_losses = torch.nn.ModuleDict({stage: MeanMetric() for stage in STAGES[1:]})
         # first optimizer step whose loss was not finite (-1: none); a device buffer, so no host sync per step
         self.register_buffer("first_bad_step", torch.tensor(-1, dtype=torch.long), persistent=False)
+        # each rank keeps its own flag (DDP would overwrite it with rank 0's at every forward); check_finite reduces
+        self._ddp_params_and_buffers_to_ignore = ["first_bad_step"]
 
     @property
     def eval_passes(self) -> int:
