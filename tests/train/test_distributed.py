@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from zoo.train.distributed import ContiguousShard, GlobalBatchShard, split_batch
+from zoo.train.distributed import ContiguousShard, GlobalBatchShard, planned_world_size, split_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ddp_driver import lightning_test  # noqa: E402
@@ -62,6 +62,21 @@ def test_split_batch_names_the_fix():
     assert split_batch(128, 4) == 32
     with pytest.raises(ValueError, match=r"batch_size 100 is the global batch .* 3 processes .* e\.g\. 99 or 102"):
         split_batch(100, 3)
+
+
+def test_devices_auto_on_several_gpus_is_several_processes_and_says_so(monkeypatch, capsys):
+    from zoo.train.fit import report_auto_devices
+    from zoo.train.recipe import Recipe
+
+    import zoo.train.distributed as distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(distributed, "external_environment", lambda: None)  # as if no launcher, even on a cluster
+    assert planned_world_size("auto", 1, "gpu") == 4 and planned_world_size("auto", 2, "gpu") == 8
+    assert planned_world_size("auto", 1, "cpu") == 1 and planned_world_size("0,2", 1, "gpu") == 2
+    report_auto_devices(Recipe(batch_size=128), "gpu", 4)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "all 4 GPUs" in line and "batch_size 128 is the global batch (32 per GPU)" in line
 
 
 @pytest.mark.parametrize("n, batch", [(103, 16), (96, 16), (10, 16)])
