@@ -65,10 +65,9 @@ def test_split_batch_names_the_fix():
 
 
 def test_devices_auto_on_several_gpus_is_several_processes_and_says_so(monkeypatch, capsys):
+    import zoo.train.distributed as distributed
     from zoo.train.fit import report_auto_devices
     from zoo.train.recipe import Recipe
-
-    import zoo.train.distributed as distributed
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(distributed, "external_environment", lambda: None)  # as if no launcher, even on a cluster
