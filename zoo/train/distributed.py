@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
+from einops import rearrange
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment, TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from torch.utils.data import Dataset, DistributedSampler
@@ -126,9 +127,10 @@ class GlobalBatchShard(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         order = torch.randperm(len(self.dataset), generator=self.generator)[: self.used]
-        # (steps, ranks, images per rank): this rank's column of every global batch
         share = min(self.local_batch, self.used // self.num_replicas)
-        return iter(order.view(-1, self.num_replicas, share)[:, self.rank].reshape(-1).tolist())
+        # this rank's slice of every global batch, step after step
+        shards = rearrange(order, "(step rank image) -> rank (step image)", rank=self.num_replicas, image=share)
+        return iter(shards[self.rank].tolist())
 
 
 class ContiguousShard(DistributedSampler):
