@@ -103,6 +103,8 @@ TRAIN_CASES = [
     ("missing config", ["--model", "vit_nano", "--config", "{tmp}/missing.yaml"], r"cannot read config file"),
     ("bad YAML", ["--model", "vit_nano", "--config", "{tmp}/bad.yaml"], r"bad.yaml is not valid YAML"),
     ("YAML list", ["--model", "vit_nano", "--config", "{tmp}/list.yaml"], r"must hold a mapping of keys, got list"),
+    ("batch does not divide", ["--model", "vit_nano", *TWO, "--accelerator", "cpu", "--devices", "3", "--batch-size",
+                               "32"], r"batch_size 32 is the global batch .* 3 processes .* e\.g\. 30 or 33"),
     ("num-nodes 0", ["--model", "vit_nano", "--num-nodes", "0"], r"num_nodes must be a positive integer"),
     ("ckpt every 0", ["--model", "vit_nano", "--ckpt-every-n-steps", "0"], r"ckpt_every_n_steps must be a positive"),
     ("max-train-images 0", ["--model", "vit_nano", "--max-train-images", "0"], r"max_train_images must be a positive"),

@@ -19,9 +19,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.data import _update_dataloader
 from PIL import Image
-from torch.utils.data import DistributedSampler
 
 import zoo.train.data.decode
 from zoo.bench import measure_throughput
@@ -455,7 +453,7 @@ def test_normalize_and_denormalize_against_the_formula(small_dm):
 
 def test_on_after_batch_transfer_augments_only_in_training(small_dm):
     cpu = SimpleNamespace(root_device=torch.device("cpu"))
-    small_dm.trainer = SimpleNamespace(strategy=cpu, training=False)
+    small_dm.trainer = SimpleNamespace(strategy=cpu, training=False, world_size=1, global_rank=0)
     small_dm.setup()
     images, labels = next(iter(small_dm.val_dataloader()))
     out, out_labels = small_dm.on_after_batch_transfer((images, labels), 0)
@@ -517,25 +515,27 @@ def test_augment_before_setup_raises(tmp_path):
         make(tmp_path, tmp_path).augment(images, labels)
 
 
-def test_distributed_sampler_gives_each_rank_its_own_shard(tmp_path):
+def test_ranks_split_each_global_batch_and_evaluate_every_image_once(tmp_path):
+    """Under 2 processes each rank's loader yields its half of every single-process batch (batch_size is the
+    global batch), and the validation shards cover the validation split once, unpadded."""
     write_cifar_batches(tmp_path / "data")
-    dm = make(tmp_path / "data", tmp_path, val_size=20, batch_size=16)
-    dm.setup("fit")
-    loader = dm.train_dataloader()
-    everything = dm.train_dataset.images[:, 0, 0, 0].long() + 256 * dm.train_dataset.images[:, 0, 0, 1].long()
-    seen, indices = [], []
-    for rank in range(2):
-        sampler = DistributedSampler(loader.dataset, num_replicas=2, rank=rank, shuffle=True, seed=0)
-        shard = _update_dataloader(loader, sampler)  # what Lightning does with use_distributed_sampler=True
-        ids = []
-        for images, labels in shard:
-            assert images.shape == (16, 3, 32, 32) and labels.shape == (16,)
-            ids += (images[:, 0, 0, 0].long() + 256 * images[:, 0, 0, 1].long()).tolist()
-        assert len(ids) == 80 and len(set(ids)) == 80  # 90 per rank, the incomplete batch dropped
-        seen.append(set(ids))
-        indices.append(set(sampler))
-    assert not seen[0] & seen[1] and seen[0] | seen[1] <= set(everything.tolist())
-    assert indices[0] | indices[1] == set(range(180)) and not indices[0] & indices[1]
+
+    def loaders(world: int, rank: int):
+        dm = make(tmp_path / "data", tmp_path, val_size=21, batch_size=16)
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), training=False,
+                                     world_size=world, global_rank=rank)
+        dm.setup("fit")
+        def ids(loader):  # image i of the split carries i in its first two bytes
+            return [(x[:, 0, 0, 0].long() + 256 * x[:, 0, 0, 1].long()).tolist() for x, _ in loader]
+        return ids(dm.train_dataloader()), ids(dm.val_dataloader()), dm
+
+    single, single_val, dm = loaders(1, 0)
+    ranks = [loaders(2, rank) for rank in range(2)]
+    assert len(single) == (200 - 21) // 16 and all(len(r[0]) == len(single) for r in ranks)
+    for step, batch in enumerate(single):
+        assert [len(r[0][step]) for r in ranks] == [8, 8] and ranks[0][0][step] + ranks[1][0][step] == batch
+    assert ranks[0][1] != ranks[1][1] and sum(ranks[0][1] + ranks[1][1], []) == sum(single_val, [])
+    assert len(sum(single_val, [])) == 21 == len(dm.val_dataset)
 
 
 def test_pipeline_throughput_is_thousands_of_images_per_second(tmp_path):

@@ -25,7 +25,11 @@ class TimeBudget(pl.Callback):
     After ``measure_steps`` optimizer steps it measures the step time, estimates how many steps fit in what
     is left of ``budget_s`` once validation (one pass per epoch, test-time augmentation included) is paid for,
     and re-fits warm-up + decay to that; it re-fits after every validation with the measured validation time,
-    and stops training when the fitted step count is reached. Its state travels in checkpoints."""
+    and stops training when the fitted step count is reached. Its state travels in checkpoints.
+
+    Under several processes rank 0's clock decides: the measured times and the fitted step count are broadcast
+    (``trainer.strategy.broadcast``, at steps every rank reaches together), so all ranks refit the same schedule
+    and stop on the same global step."""
 
     def __init__(self, budget_s: float, measure_steps: int = 20, skip_steps: int = 5):
         self.budget_s, self.measure_steps, self.skip_steps = budget_s, measure_steps, skip_steps
@@ -58,7 +62,7 @@ class TimeBudget(pl.Callback):
             self._skip_t = time.perf_counter()
         elif done == self.skip_steps + self.measure_steps and self.step_time is None:
             synchronize(pl_module.device)
-            self.step_time = (time.perf_counter() - self._skip_t) / self.measure_steps
+            self.step_time = trainer.strategy.broadcast((time.perf_counter() - self._skip_t) / self.measure_steps)
             self._refit(trainer, pl_module)
         if self.total_steps is not None and trainer.global_step >= self.total_steps:
             trainer.should_stop = True
@@ -69,7 +73,7 @@ class TimeBudget(pl.Callback):
     def on_validation_end(self, trainer, pl_module):
         if trainer.sanity_checking or self._val_t is None:
             return
-        self.val_time = time.perf_counter() - self._val_t
+        self.val_time = trainer.strategy.broadcast(time.perf_counter() - self._val_t)
         if self.step_time is not None:
             self._refit(trainer, pl_module)
 
@@ -82,7 +86,7 @@ class TimeBudget(pl.Callback):
             self.step_time / 3 * passes * _num_batches(trainer.num_val_batches))
         left = self.budget_s - self.elapsed() - val_time  # the budget is the fit's, as Lightning's max_time
         more = max(int(left / (self.step_time + val_time / steps_per_epoch)), 1)
-        self.total_steps = trainer.global_step + more
+        self.total_steps = trainer.strategy.broadcast(trainer.global_step + more)  # rank 0's clock decides
         pl_module.refit_schedule(self.total_steps)
 
 

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "cifar-10-batches-py (./data with a torchvision download when unset)")
     p.add_argument("--download", action="store_true", default=None, help="download CIFAR-10 into --data-dir")
     p.add_argument("--epochs", type=int, help="training epochs (the LR schedule spans them)")
-    p.add_argument("--batch-size", type=int, help="training batch size per device")
+    p.add_argument("--batch-size", type=int, help="global training batch size, split across devices and nodes")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--precision",
                    help="auto (GPU: bf16-mixed or 16-mixed; CPU: bf16-mixed with native bf16, else 32), 32, "

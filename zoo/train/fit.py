@@ -26,6 +26,15 @@ from ..models import create_model, model_info
 from .callbacks import EMAWeightAveraging, LossProgressBar, Throughput, TimeBudget, ValidationClock
 from .data import ImageDataModule
 from .device import machine_name, resolve_accelerator, resolve_muon_dtype, resolve_precision
+from .distributed import (
+    external_environment,
+    is_global_zero,
+    on_rank_zero,
+    open_process_group,
+    planned_world_size,
+    rank_zero_first,
+    split_batch,
+)
 from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
 from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
@@ -70,15 +79,19 @@ def fit(recipe: Recipe) -> Path:
     arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
     accelerator = resolve_accelerator(recipe.accelerator, recipe.devices)
     require_loggers(recipe.loggers)
-    run_dir, resume_from, new = find_run_dir(recipe)
-    dm = build_datamodule(recipe)
+    world_size = planned_world_size(recipe.devices, recipe.num_nodes, accelerator)
+    split_batch(recipe.batch_size, world_size)  # before anything is written
+    report_auto_devices(recipe, accelerator, world_size)
+    open_process_group(accelerator)  # under torchrun / SLURM: rank 0 chooses the run directory for all ranks
+    run_dir, resume_from, new = on_rank_zero(lambda: find_run_dir(recipe))
+    dm = rank_zero_first(lambda: build_datamodule(recipe))  # one process builds the data cache
     if resume_from is not None:
         check_resume_data(resume_from, dm.num_classes, dm.class_names)
     elif recipe.init_from:  # a refused --init-from fails before the precision probe's seconds
         match_init(create_model(recipe.model, num_classes=dm.num_classes, **model_args(recipe)), recipe.init_from,
                    allow_partial=recipe.init_partial)
     start = time.perf_counter()
-    one_process = recipe.devices in ("auto", 1) and recipe.num_nodes == 1  # DDP ranks must not choose apart
+    one_process = world_size == 1  # DDP ranks must not measure (and choose) apart
     precision, muon_dtype, optimizer = recipe.precision, recipe.muon_dtype, recipe.optimizer
     if resume_from is not None:  # a resumed run keeps the choices it started with (config.yaml records them)
         precision = recorded_choice(run_dir, "precision", precision, accelerator)
@@ -90,14 +103,22 @@ def fit(recipe: Recipe) -> Path:
     if resume_from is None and one_process and accelerator == "cpu":
         optimizer = probe_optimizer(recipe, precision, muon_dtype)
     resolved = replace(recipe, precision=precision, muon_dtype=muon_dtype, optimizer=optimizer)
-    created = create_run_dir(resolved, run_dir)
+    created = on_rank_zero(lambda: create_run_dir(resolved, run_dir))
     plan = RunPlan(resolved, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
     try:
         return train_and_test(plan, dm)
     except BaseException:
-        if new:
+        if new and is_global_zero():
             remove_failed_run(run_dir, created)
         raise
+
+
+def report_auto_devices(recipe: Recipe, accelerator: str, world_size: int) -> None:
+    """One line when ``devices: auto`` takes several GPUs of this machine (printed by rank 0 only)."""
+    if recipe.devices == "auto" and accelerator == "gpu" and world_size > 1 and external_environment() is None \
+            and is_global_zero():
+        print(f"--devices auto: all {world_size} GPUs of this machine, one DDP process each; batch_size "
+              f"{recipe.batch_size} is the global batch ({recipe.batch_size // world_size} per GPU)")
 
 
 def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torchmetrics import MetricCollection
+from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..layers.whitening import PatchWhitening
@@ -74,8 +74,13 @@ class ImageClassifier(pl.LightningModule):
             }, prefix=f"{stage}/")
             for stage in STAGES
         })
+        # Validation / test loss as a batch-size-weighted mean whose float sums are reduced across ranks (Lightning's
+        # own mean of a logged tensor divides its integer image count by the world size under gloo, truncating)
+        self.eval_losses = torch.nn.ModuleDict({stage: MeanMetric() for stage in STAGES[1:]})
         # first optimizer step whose loss was not finite (-1: none); a device buffer, so no host sync per step
         self.register_buffer("first_bad_step", torch.tensor(-1, dtype=torch.long), persistent=False)
+        # each rank keeps its own flag (DDP would overwrite it with rank 0's at every forward); check_finite reduces
+        self._ddp_params_and_buffers_to_ignore = ["first_bad_step"]
 
     @property
     def eval_passes(self) -> int:
@@ -92,10 +97,12 @@ class ImageClassifier(pl.LightningModule):
         labels = targets.argmax(dim=1) if targets.ndim == 2 else targets
         metrics = self.metrics[f"{stage}_acc"]
         metrics.update(logits.detach(), labels)
-        # training's loss stays off Lightning's progress-bar dict, which becomes Python numbers after every batch
-        # (a host sync per step): callbacks.LossProgressBar shows it when the bar refreshes
-        self.log(f"{stage}/loss", loss.detach(), on_step=stage == "train", on_epoch=True, prog_bar=stage != "train",
-                 sync_dist=stage != "train", batch_size=images.shape[0])
+        if stage == "train":  # off Lightning's progress-bar dict, which becomes Python numbers after every batch
+            # (a host sync per step): callbacks.LossProgressBar shows it when the bar refreshes
+            self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, batch_size=images.shape[0])
+        else:
+            self.eval_losses[stage].update(loss.detach(), images.shape[0])
+            self.log(f"{stage}/loss", self.eval_losses[stage], on_step=False, on_epoch=True, prog_bar=True)
         self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=stage != "train")
         return loss
 
@@ -117,8 +124,15 @@ class ImageClassifier(pl.LightningModule):
         self._shared_step(batch, "test")
 
     def check_finite(self) -> None:
-        """Raise NonFiniteLossError if any loss so far was NaN / inf (one host sync)."""
-        step = int(self.first_bad_step)
+        """Raise NonFiniteLossError if any loss so far was NaN / inf (one host sync). Under several processes the
+        ranks' flags are reduced first (every rank calls this at the same steps), so all of them stop together,
+        naming the first bad step of any rank."""
+        bad = self.first_bad_step
+        if self._trainer is not None and self.trainer.world_size > 1:
+            never = torch.iinfo(torch.long).max
+            bad = self.trainer.strategy.reduce(torch.where(bad < 0, never, bad), reduce_op="min")
+            bad = torch.where(bad == never, -1, bad)
+        step = int(bad)
         if step >= 0:
             raise NonFiniteLossError(
                 f"non-finite training loss at optimizer step {step}; stopped (the last checkpoint written is "

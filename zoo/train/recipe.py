@@ -228,7 +228,7 @@ class Recipe:
     model_args: dict = _field({}, "keyword arguments of zoo.create_model (depth, drop_path_rate, ...)", _mapping,
                               _model_arguments, nested=True)
     epochs: int = _field(100, "training epochs (the LR schedule spans them)", _integer(1))
-    batch_size: int = _field(128, "training batch size per device", _integer(1))
+    batch_size: int = _field(128, "global training batch size, split across devices and nodes", _integer(1))
     eval_batch_size: int | None = _field(None, "validation / test batch size (null: batch_size)",
                                          _optional(_integer(1)))
     optimizer: str = _field("adamw", "adamw, sgd, muon (2-D; AdamW on the rest), muon_conv", _choice(OPTIMIZERS))

@@ -21,6 +21,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from ..atomic import atomic_write, atomic_write_csv
 from ..models.checkpoints import load_checkpoint
+from .distributed import is_global_zero
 from .recipe import Recipe
 
 RUN_DIR_ENV = "ZOO_RUN_DIR"  # the run directory rank 0 chose, inherited by the processes DDP launches
@@ -102,8 +103,9 @@ def find_run_dir(recipe: Recipe) -> tuple[Path, Path | None, bool]:
     ``recipe.resume``: None -> a new run; ``"auto"`` -> the newest run of this model under ``recipe.out``
     with a last.ckpt (a new run if there is none); a run directory or a .ckpt path -> that run, whose
     checkpoint must be a zoo checkpoint of the recipe's model and model arguments (``check_resume``).
-    Processes launched by DDP inherit the choice through the ``ZOO_RUN_DIR`` environment variable, so a
-    DDP run leaves exactly one run directory."""
+    Processes launched by Lightning's DDP inherit the choice through the ``ZOO_RUN_DIR`` environment variable;
+    under torchrun or SLURM ``fit`` calls this on rank 0 only and broadcasts the answer, so a DDP run leaves exactly
+    one run directory."""
     model_dir = Path(recipe.out) / recipe.model
     resume = recipe.resume
     if os.environ.get(RUN_DIR_ENV) and os.environ.get("LOCAL_RANK", "0") != "0":
@@ -164,8 +166,11 @@ def check_resume_data(ckpt: Path, num_classes: int, class_names: list[str]) -> N
 
 
 def create_run_dir(recipe: Recipe, run_dir: Path) -> Path | None:
-    """Create ``run_dir/checkpoints`` (rank 0 also writes config.yaml) and return the topmost folder this call
-    created (None if the run directory existed), for ``remove_failed_run``. Unwritable -> ValueError."""
+    """Create ``run_dir/checkpoints`` with config.yaml and return the topmost folder this call created (None if the
+    run directory existed), for ``remove_failed_run``; unwritable -> ValueError. Rank 0's job: the processes
+    Lightning launches next find the directory in ``ZOO_RUN_DIR``, and write nothing here."""
+    if not is_global_zero():
+        return None
     created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
     try:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -175,8 +180,7 @@ def create_run_dir(recipe: Recipe, run_dir: Path) -> Path | None:
     except OSError as err:
         raise ValueError(f"cannot write the run directory {run_dir} (--out {recipe.out}): {err.strerror}") from None
     os.environ[RUN_DIR_ENV] = str(run_dir)
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        atomic_write(run_dir / "config.yaml", lambda f: f.write(recipe.to_yaml().encode()))
+    atomic_write(run_dir / "config.yaml", lambda f: f.write(recipe.to_yaml().encode()))
     return created
 
 

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..distributed import ContiguousShard, GlobalBatchShard
 from .augment import AlternatingFlip, BatchAugment, augment_config
 from .cache import cache_path, load_or_build
 from .layout import find_layout
@@ -79,7 +80,8 @@ class ImageDataModule(pl.LightningDataModule):
             An explicit folder never downloads unless ``download=True``.
         download: fetch CIFAR-10 into ``data_dir`` when it holds no dataset.
         img_size: images are (3, img_size, img_size); other sizes are resized (shorter side), centre-cropped.
-        batch_size / eval_batch_size: training / validation+test batch sizes (eval defaults to batch_size).
+        batch_size / eval_batch_size: training / validation+test batch sizes (eval defaults to batch_size), global:
+            under several processes each rank takes an equal share (``batch_size`` must divide among them).
         val_size: training images held out for validation (a seeded random split).
         seed: seeds the split, the subsets and the shuffling order (same seed -> same order, epoch by epoch).
         augment: dict with keys of ``DEFAULT_AUGMENT`` overriding them (None -> crop padding 4 + hflip);
@@ -206,16 +208,27 @@ class ImageDataModule(pl.LightningDataModule):
             return self.trainer.strategy.root_device
         return torch.device("cpu")
 
+    def _ranks(self) -> tuple[int, int]:
+        """``(world size, global rank)`` of the attached trainer, ``(1, 0)`` without one."""
+        if self.trainer is None:
+            return 1, 0
+        return self.trainer.world_size, self.trainer.global_rank
+
     def _loader(self, dataset: _TensorBatches | None, name: str, train: bool) -> DataLoader:
         if dataset is None:
             raise ValueError(f"the {name} split is not loaded: call setup() ('fit' or 'test') first")
-        batch_size = self.batch_size if train else self.eval_batch_size
-        return DataLoader(dataset, batch_size=batch_size, shuffle=train,
-                          generator=self._shuffle if train else None,
-                          drop_last=train and len(dataset) > batch_size, collate_fn=_as_batch, num_workers=0)
+        world, rank = self._ranks()
+        if train:  # batch_size is the global batch: this rank's slice of each one
+            sampler = GlobalBatchShard(dataset, self.batch_size, world, rank, self._shuffle)
+            return DataLoader(dataset, batch_size=sampler.local_batch, sampler=sampler, generator=self._shuffle,
+                              collate_fn=_as_batch, num_workers=0)
+        return DataLoader(dataset, batch_size=-(-self.eval_batch_size // world),
+                          sampler=ContiguousShard(dataset, world, rank), collate_fn=_as_batch, num_workers=0)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled (seeded; a new order each epoch) uint8 batches; the last incomplete batch is dropped."""
+        """Shuffled (seeded; a new order each epoch) uint8 batches; the last incomplete batch is dropped. Under
+        several processes ``batch_size`` is the global batch and each rank gets its slice of it
+        (``distributed.GlobalBatchShard``); validation and test shards are unpadded (``ContiguousShard``)."""
         return self._loader(self.train_dataset, "train", train=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -1,0 +1,242 @@
+"""Several processes on the CPU (gloo): the samplers behind the global batch and the exact evaluation, against plain
+single-process references; real 2-process DDP runs of train.py (through tests/train/ddp_driver.py, which records
+every rank's steps, learning rates and final weights) under Lightning's launcher, torchrun and simulated SLURM; and
+one checkpoint tested on 1 and 3 processes against a plain count of correct predictions."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from zoo.train.distributed import ContiguousShard, GlobalBatchShard, planned_world_size, split_batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ddp_driver import lightning_test  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("ddp_driver.py")
+LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ZOO_RUN_DIR",
+              "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(record: Path, **extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith("SLURM_")}
+    return {**env, "ZOO_TEST_RECORD": str(record), "OMP_NUM_THREADS": "1", **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_args(cifar_dir: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return ["--model", "vit_nano", "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path / "cache"),
+            "--max-train-images", "200", "--max-test-images", "40", "--set", "val_size=40", "--batch-size", "32",
+            "--out", str(tmp_path / "runs"), "--limit-val-batches", "1", "--limit-test-batches", "1",
+            "--ckpt-every-n-steps", "1", "--precision", "32", *extra]
+
+
+def run(cmd: list[str], env: dict, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def records(record: Path, world: int) -> list[dict]:
+    return [json.loads((record / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+# ----------------------------------------------------------------------------------------- samplers, in-process
+
+def test_split_batch_names_the_fix():
+    assert split_batch(128, 4) == 32
+    with pytest.raises(ValueError, match=r"batch_size 100 is the global batch .* 3 processes .* e\.g\. 99 or 102"):
+        split_batch(100, 3)
+
+
+def test_devices_auto_on_several_gpus_is_several_processes_and_says_so(monkeypatch, capsys):
+    import zoo.train.distributed as distributed
+    from zoo.train.fit import report_auto_devices
+    from zoo.train.recipe import Recipe
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(distributed, "external_environment", lambda: None)  # as if no launcher, even on a cluster
+    assert planned_world_size("auto", 1, "gpu") == 4 and planned_world_size("auto", 2, "gpu") == 8
+    assert planned_world_size("auto", 1, "cpu") == 1 and planned_world_size("0,2", 1, "gpu") == 2
+    report_auto_devices(Recipe(batch_size=128), "gpu", 4)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "all 4 GPUs" in line and "batch_size 128 is the global batch (32 per GPU)" in line
+
+
+@pytest.mark.parametrize("n, batch", [(103, 16), (96, 16), (10, 16)])
+def test_global_batch_shards_rebuild_the_single_process_batches(n, batch):
+    """Reference: torch's own shuffled DataLoader (RandomSampler with the seeded generator, drop_last)."""
+    data = list(range(n))
+    reference = [b.tolist() for b in DataLoader(data, batch_size=batch, shuffle=True, drop_last=n > batch,
+                                                generator=torch.Generator().manual_seed(3))]
+    for world in (1, 2, 4):
+        shards = []
+        for rank in range(world):  # the generator also seeds the loader, as in the data module
+            generator = torch.Generator().manual_seed(3)
+            shards.append(list(DataLoader(data, batch_size=split_batch(batch, world), generator=generator,
+                                          sampler=GlobalBatchShard(data, batch, world, rank, generator))))
+        assert {len(s) for s in shards} == {len(reference)}   # the same optimizer steps per epoch on every rank
+        for step, expected in enumerate(reference):
+            if n >= batch:
+                assert sum((s[step].tolist() for s in shards), []) == expected
+            else:  # smaller than one batch: what divides among the ranks, in the same order
+                assert sum((s[step].tolist() for s in shards), []) == expected[: n // world * world]
+
+
+@pytest.mark.parametrize("n", [1001, 10, 7])
+def test_contiguous_shards_cover_every_image_once(n):
+    for world in (1, 2, 3, 4):
+        seen = sum((list(ContiguousShard(list(range(n)), world, rank)) for rank in range(world)), [])
+        assert seen == list(range(n))
+
+
+# ----------------------------------------------------------------------------------------- real DDP runs of train.py
+
+def test_ddp_time_budget_stops_every_rank_on_one_step(cifar_dir, tmp_path):
+    """Rank 1 starts its clock 3 s after rank 0: a per-rank budget would fit different step counts (and hang or
+    stop apart); the shared decision ends both ranks on one step with the same weights and learning rates."""
+    record = tmp_path / "record"
+    record.mkdir()
+    cmd = [sys.executable, str(DRIVER), "train",
+           *train_args(cifar_dir, tmp_path, "--epochs", "100", "--accelerator", "cpu", "--devices", "2",
+                       "--strategy", "ddp", "--max-time", "00:00:00:20", "--max-train-images", "400",
+                       "--ckpt-every-n-steps", "1000")]
+    run(cmd, clean_env(record, ZOO_TEST_SKEW="3"), tmp_path, timeout=150)
+    rank0, rank1 = records(record, 2)
+    assert rank0["total_steps"] is not None and rank0["total_steps"] == rank1["total_steps"]
+    assert rank0["global_step"] == rank1["global_step"] and rank0["steps"] == rank1["steps"]
+    assert rank0["global_step"] < 100 * rank0["batches_per_epoch"]   # the budget, not the epochs, ended it
+    weights0, weights1 = (torch.load(record / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert weights0.keys() == weights1.keys()
+    assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
+    (run_dir,) = (tmp_path / "runs" / "vit_nano").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == rank0["global_step"] and summary["devices"] == 2
+    assert (record / "writes-rank0.txt").read_text().split().count("summary.json") == 1
+    assert not (record / "writes-rank1.txt").exists()
+
+
+def test_one_and_two_processes_run_the_same_steps_and_learning_rates(cifar_dir, tmp_path):
+    """batch_size 32 is the global batch: 160 training images give 160 // 32 = 5 steps per epoch on any number of
+    processes, with the same learning rate at each step."""
+    seen = {}
+    for devices in (1, 2):
+        record = tmp_path / f"record{devices}"
+        record.mkdir()
+        cmd = [sys.executable, str(DRIVER), "train",
+               *train_args(cifar_dir, tmp_path / str(devices), "--epochs", "2", "--accelerator", "cpu",
+                           "--devices", str(devices), *(["--strategy", "ddp"] if devices > 1 else []))]
+        run(cmd, clean_env(record), tmp_path)
+        seen[devices] = records(record, devices)
+    expected_steps = (200 - 40) // 32
+    for ranks in seen.values():
+        for rank in ranks:
+            assert rank["batches_per_epoch"] == expected_steps and rank["global_step"] == 2 * expected_steps
+    assert [s for s, _ in seen[1][0]["steps"]] == list(range(1, 2 * expected_steps + 1))
+    assert seen[1][0]["steps"] == seen[2][0]["steps"] == seen[2][1]["steps"]
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank(cifar_dir, tmp_path):
+    """Rank 1 alone flags a non-finite loss at step 3: both ranks stop at the next check with the error (exit 1),
+    rather than rank 0 waiting in an all-reduce rank 1 never joins."""
+    record = tmp_path / "record"
+    record.mkdir()
+    cmd = [sys.executable, str(DRIVER), "train",
+           *train_args(cifar_dir, tmp_path, "--epochs", "2", "--accelerator", "cpu", "--devices", "2",
+                       "--strategy", "ddp", "--ckpt-every-n-steps", "1000")]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=clean_env(record, ZOO_TEST_NAN_AT="3"),
+                          timeout=150)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "non-finite training loss at optimizer step 3" in done.stderr
+    assert not list(record.glob("rank*.json"))  # neither rank finished training
+
+
+def test_torchrun_two_processes_share_one_resumable_run(cifar_dir, tmp_path):
+    record = tmp_path / "record"
+    record.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), str(DRIVER), "train"]
+    args = train_args(cifar_dir, tmp_path, "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp")
+    first = run([*torchrun, *args, "--epochs", "1"], clean_env(record), tmp_path)
+    (run_dir,) = (tmp_path / "runs" / "vit_nano").iterdir()
+    assert first.stdout.strip().splitlines()[-1] == str(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 5
+    written = (record / "writes-rank0.txt").read_text().split()
+    assert written.count("config.yaml") == written.count("summary.json") == 1 and "last.ckpt" in written
+    assert not (record / "writes-rank1.txt").exists()
+    torchrun[6] = str(free_port())
+    run([*torchrun, *args, "--epochs", "2", "--resume", "auto"], clean_env(record), tmp_path)
+    assert [p.name for p in (tmp_path / "runs" / "vit_nano").iterdir()] == [run_dir.name]
+    assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 10
+    rank0, rank1 = records(record, 2)
+    assert [s for s, _ in rank0["steps"]] == list(range(6, 11)) and rank0["steps"] == rank1["steps"]
+
+
+def test_simulated_slurm_tasks_share_one_run(cifar_dir, tmp_path):
+    """Two tasks started as srun would (SLURM_* variables, no launcher of Lightning's)."""
+    record = tmp_path / "record"
+    record.mkdir()
+    cmd = [sys.executable, str(DRIVER), "train",
+           *train_args(cifar_dir, tmp_path, "--epochs", "1", "--accelerator", "cpu", "--devices", "2",
+                       "--strategy", "ddp")]
+    port = str(free_port())
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=clean_env(record, SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1",
+                                            SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NODEID="0",
+                                            SLURM_JOB_ID="4242", SLURM_JOB_NAME="zoo", MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=port))
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    (run_dir,) = (tmp_path / "runs" / "vit_nano").iterdir()
+    assert outs[0][0].strip().splitlines()[-1] == outs[1][0].strip().splitlines()[-1] == str(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["devices"] == 2
+    assert not (record / "writes-rank1.txt").exists()
+
+
+# ----------------------------------------------------------------------------------------- exact evaluation
+
+def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, tmp_path):
+    """301 test images do not divide among 3 processes (a padding sampler would count 303); the logged top-1 /
+    top-5 / loss equal a plain single-process loop over the 301 images."""
+    from zoo.train.data import ImageDataModule
+    from zoo.train.module import ImageClassifier
+
+    n, ckpt = 301, tiny_run / "checkpoints" / "last.ckpt"
+    module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", tta=0).eval()
+    dm = ImageDataModule(cifar_dir, max_test_images=n, splits=("test",), cache_dir=tmp_path / "ref-cache")
+    dm.setup("test")
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    dm.use_normalization(summary["mean"], summary["std"])
+    with torch.no_grad():
+        logits = torch.cat([module(dm.normalize(x)) for x in dm.test_dataset.images.split(100)])
+    labels = dm.test_dataset.labels
+    top1 = int((logits.argmax(1) == labels).sum())
+    top5 = int((logits.topk(5, dim=1).indices == labels[:, None]).any(1).sum())
+    loss = float(F.cross_entropy(logits, labels, label_smoothing=module.hparams.label_smoothing))
+    one = lightning_test(str(ckpt), str(cifar_dir), n, 1, str(tmp_path / "ref-cache"))
+    record = tmp_path / "record"
+    record.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
+           str(DRIVER), "test", str(ckpt), str(cifar_dir), str(n), "3", str(tmp_path / "ref-cache")]
+    run(cmd, clean_env(record), tmp_path)
+    three = json.loads((record / "test.json").read_text())
+    for results in (one, three):
+        assert round(results["test/top1"] * n) == top1 and abs(results["test/top1"] - top1 / n) < 1e-6
+        assert round(results["test/top5"] * n) == top5 and abs(results["test/top5"] - top5 / n) < 1e-6
+        assert results["test/loss"] == pytest.approx(loss, rel=1e-5)
