@@ -16,146 +16,40 @@ from __future__ import annotations
 
 import copy
 import json
-import math
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .checks import (  # noqa: F401  (re-exported: the recipe's parsers)
+    After,
+    Check,
+    choice_check,
+    devices_check,
+    flag_check,
+    fraction_check,
+    integer_check,
+    limit_check,
+    mapping_check,
+    max_time_check,
+    number_check,
+    optional_check,
+    parse_limit,
+    parse_max_time,
+    positive_check,
+    precision_check,
+    randaugment_check,
+    text_check,
+    unit_interval_check,
+)
 from .data import DEFAULT_AUGMENT
 from .loggers import logger_names
 from .optim import MUON_DTYPES, OPTIMIZERS, SCHEDULES
 from .tta import TTA_LEVELS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"   # zoo/configs, shipped in the wheel
-PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
-
-Check = Callable[[str, Any], Any]   # (dotted key, value) -> normalised value, or ValueError
-After = Callable[[str, Any, Any], None]  # (dotted key, checked value, the whole config) -> None, or ValueError
-
-
-def _integer(low: int) -> Check:
-    expected = {0: "a non-negative integer", 1: "a positive integer"}[low]
-
-    def check(key: str, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{key} must be {expected}, got {value!r}")
-        return value
-    return check
-
-
-def _number(key: str, value) -> float:
-    if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{key} must be a non-negative number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{key} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _positive(key: str, value) -> float:
-    value = _number(key, value)
-    if value == 0:
-        raise ValueError(f"{key} must be above zero, got {value!r}")
-    return value
-
-
-def _text(key: str, value) -> str:
-    if isinstance(value, (bool, list, dict)) or value is None:
-        raise ValueError(f"{key} must be a string, got {value!r}")
-    return str(value)
-
-
-def _mapping(key: str, value) -> dict:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{key} must be a mapping, got {value!r}")
-    return copy.deepcopy(dict(value))
-
-
-def _optional(check: Check) -> Check:
-    return lambda key, value: None if value is None else check(key, value)
-
-
-def _choice(options: tuple) -> Check:
-    def check(key: str, value):
-        if value not in options or isinstance(value, bool):
-            raise ValueError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
-        return value
-    return check
-
-
-def _unit_interval(key: str, value) -> float:
-    value = _number(key, value)
-    if value >= 1:
-        raise ValueError(f"{key} must lie in [0, 1), got {value!r}")
-    return value
-
-
-def _fraction(key: str, value) -> float:
-    value = _number(key, value)
-    if not 0 < value <= 1:
-        raise ValueError(f"{key} must lie in (0, 1], got {value!r}")
-    return value
-
-
-def _precision(key: str, value) -> str:
-    if str(value) not in PRECISIONS:
-        raise ValueError(f"{key} must be one of {', '.join(PRECISIONS)}, got {value!r}")
-    return str(value)
-
-
-def _devices(key: str, value) -> int | str:
-    if isinstance(value, str) and re.fullmatch(r"\s*(-1|\d+)\s*", value):
-        value = int(value)
-    valid = value == "auto" or isinstance(value, str) and re.fullmatch(r"\d+(,\d+)*,?", value.replace(" ", ""))
-    if isinstance(value, bool) or not (valid or isinstance(value, int) and (value >= 1 or value == -1)):
-        raise ValueError(f"{key} must be auto, a number of devices (-1: all) or a device list like '0,1', "
-                         f"got {value!r}")
-    return value
-
-
-def _flag(*words: str) -> Check:
-    """true or false, or one of ``words``."""
-    expected = ", ".join([*words, "true"]) + " or false"
-
-    def check(key: str, value) -> bool | str:
-        if value not in words and not isinstance(value, bool):
-            raise ValueError(f"{key} must be {expected}, got {value!r}")
-        return value
-    return check
-
-
-def _max_time(key: str, value) -> str:
-    if parse_max_time(value) <= 0:
-        raise ValueError(f"{key} {value!r} leaves no time for one training step: give a budget above zero, "
-                         "e.g. 00:00:10:00")
-    return str(value)
-
-
-def _limit(key: str, value) -> int | float | None:
-    try:
-        limit = parse_limit(value)
-    except ValueError:
-        limit = -1
-    if limit is not None and (isinstance(limit, bool) or limit < 0):
-        raise ValueError(f"{key} must be a batch limit: an integer (batches) or a fraction like 0.25, "
-                         f"got {value!r}")
-    return limit
-
-
-def _randaugment(key: str, value) -> dict | bool:
-    if not isinstance(value, (bool, Mapping)):
-        raise ValueError(f"{key} must be null, true, false or a mapping like {{num_ops: 2, magnitude: 9}}, "
-                         f"got {value!r}")
-    return value if isinstance(value, bool) else dict(value)
-
 
 def _model_arguments(key: str, value: dict, recipe) -> None:
     """model_args must be arguments of the recipe's model, of the types its constructor declares."""
@@ -196,16 +90,17 @@ class AugmentConfig:
     """Batched on-device training augmentation (``zoo.train.data``); the recipe key ``augment``."""
 
     crop_padding: int = _field(DEFAULT_AUGMENT["crop_padding"], "zero padding (pixels) before the random crop",
-                               _integer(0))
-    hflip: bool = _field(DEFAULT_AUGMENT["hflip"], "random horizontal flip", _flag())
+                               integer_check(0))
+    hflip: bool = _field(DEFAULT_AUGMENT["hflip"], "random horizontal flip", flag_check())
     alternating_flip: bool = _field(DEFAULT_AUGMENT["alternating_flip"],
-                                    "with hflip: mirror each image in alternate epochs (airbench)", _flag())
+                                    "with hflip: mirror each image in alternate epochs (airbench)", flag_check())
     randaugment: dict | bool | None = _field(DEFAULT_AUGMENT["randaugment"],
                                              "RandAugment: null (off), true or {num_ops: 2, magnitude: 9}",
-                                             _optional(_randaugment))
-    mixup_alpha: float = _field(DEFAULT_AUGMENT["mixup_alpha"], "mixup Beta(alpha, alpha); 0 = off", _number)
-    cutmix_alpha: float = _field(DEFAULT_AUGMENT["cutmix_alpha"], "cutmix Beta(alpha, alpha); 0 = off", _number)
-    cutout: int = _field(DEFAULT_AUGMENT["cutout"], "side (pixels) of a zeroed square per image; 0 = off", _integer(0))
+                                             optional_check(randaugment_check))
+    mixup_alpha: float = _field(DEFAULT_AUGMENT["mixup_alpha"], "mixup Beta(alpha, alpha); 0 = off", number_check)
+    cutmix_alpha: float = _field(DEFAULT_AUGMENT["cutmix_alpha"], "cutmix Beta(alpha, alpha); 0 = off", number_check)
+    cutout: int = _field(DEFAULT_AUGMENT["cutout"], "side (pixels) of a zeroed square per image; 0 = off",
+                         integer_check(0))
 
     def __post_init__(self):
         _validate(self, "augment.")
@@ -224,71 +119,72 @@ class Recipe:
     """Everything one training run needs; the keys of configs/*.yaml, --set and a run's config.yaml."""
 
     # model and optimisation
-    model: str | None = _field(None, "registered model name (zoo.list_models())", _optional(_text))
-    model_args: dict = _field({}, "keyword arguments of zoo.create_model (depth, drop_path_rate, ...)", _mapping,
+    model: str | None = _field(None, "registered model name (zoo.list_models())", optional_check(text_check))
+    model_args: dict = _field({}, "keyword arguments of zoo.create_model (depth, drop_path_rate, ...)", mapping_check,
                               _model_arguments, nested=True)
-    epochs: int = _field(100, "training epochs (the LR schedule spans them)", _integer(1))
-    batch_size: int = _field(128, "global training batch size, split across devices and nodes", _integer(1))
+    epochs: int = _field(100, "training epochs (the LR schedule spans them)", integer_check(1))
+    batch_size: int = _field(128, "global training batch size, split across devices and nodes", integer_check(1))
     eval_batch_size: int | None = _field(None, "validation / test batch size (null: batch_size)",
-                                         _optional(_integer(1)))
-    optimizer: str = _field("adamw", "adamw, sgd, muon (2-D; AdamW on the rest), muon_conv", _choice(OPTIMIZERS))
+                                         optional_check(integer_check(1)))
+    optimizer: str = _field("adamw", "adamw, sgd, muon (2-D; AdamW on the rest), muon_conv", choice_check(OPTIMIZERS))
     optimizer_min_speed: float | None = _field(
         None, "keep a Muon optimizer only if a training step with it runs at >= this fraction of AdamW's speed "
         "here (measured once per machine and model); else Muon on fewer tensors, else AdamW (null: always keep)",
-        _optional(_fraction))
+        optional_check(fraction_check))
     muon_dtype: str = _field("auto", "dtype of Muon's iteration: auto (bfloat16 where the device computes it "
-                             "natively, else float32), float32 or bfloat16", _choice(("auto", *MUON_DTYPES)))
-    lr: float = _field(1e-3, "peak learning rate", _positive)
-    momentum: float = _field(0.9, "SGD's / Muon's Nesterov momentum", _number)
-    weight_decay: float = _field(0.05, "weight decay (not on norms, biases, position embeddings)", _number)
+                             "natively, else float32), float32 or bfloat16", choice_check(("auto", *MUON_DTYPES)))
+    lr: float = _field(1e-3, "peak learning rate", positive_check)
+    momentum: float = _field(0.9, "SGD's / Muon's Nesterov momentum", number_check)
+    weight_decay: float = _field(0.05, "weight decay (not on norms, biases, position embeddings)", number_check)
     no_decay_lr_scale: float = _field(1.0, "learning-rate multiplier of norms, biases and position tables",
-                                      _number)
-    schedule: str = _field("cosine", "decay after the warm-up: cosine or linear", _choice(SCHEDULES))
-    warmup_epochs: float = _field(5.0, "linear warm-up, in epochs (fractions allowed)", _number)
-    min_lr_ratio: float = _field(0.01, "the decay ends at lr * min_lr_ratio", _number)
-    label_smoothing: float = _field(0.1, "cross-entropy label smoothing, in [0, 1)", _unit_interval)
+                                      number_check)
+    schedule: str = _field("cosine", "decay after the warm-up: cosine or linear", choice_check(SCHEDULES))
+    warmup_epochs: float = _field(5.0, "linear warm-up, in epochs (fractions allowed)", number_check)
+    min_lr_ratio: float = _field(0.01, "the decay ends at lr * min_lr_ratio", number_check)
+    label_smoothing: float = _field(0.1, "cross-entropy label smoothing, in [0, 1)", unit_interval_check)
     fit_whitening: bool = _field(True, "patch-whitening filters from training images (false: fixed random ones)",
-                                 _flag())
-    ema_decay: float = _field(0.0, "EMA of the weights (decay warming up to this); 0 = off", _unit_interval)
+                                 flag_check())
+    ema_decay: float = _field(0.0, "EMA of the weights (decay warming up to this); 0 = off", unit_interval_check)
     tta: int = _field(0, "test-time augmentation of validation and test: 0 none, 1 mirror, 2 mirror + shifts",
-                      _choice(TTA_LEVELS))
+                      choice_check(TTA_LEVELS))
     augment: AugmentConfig = _field(AugmentConfig, "training augmentation (AugmentConfig)", _section, _cutout_fits,
                                     nested=True, section=AugmentConfig)
     # data
     data_dir: str | None = _field(None, "ImageFolder tree or folder holding cifar-10-batches-py (null: ./data)",
-                                  _optional(_text))
-    download: bool = _field(False, "download CIFAR-10 into data_dir when it holds no dataset", _flag())
-    img_size: int = _field(32, "images are img_size x img_size; every zoo model gets it", _integer(1))
-    val_size: int = _field(5000, "training images held out for validation", _integer(0))
+                                  optional_check(text_check))
+    download: bool = _field(False, "download CIFAR-10 into data_dir when it holds no dataset", flag_check())
+    img_size: int = _field(32, "images are img_size x img_size; every zoo model gets it", integer_check(1))
+    val_size: int = _field(5000, "training images held out for validation", integer_check(0))
     max_train_images: int | None = _field(None, "train on a seeded subset of this many images",
-                                          _optional(_integer(1)))
+                                          optional_check(integer_check(1)))
     max_test_images: int | None = _field(None, "test on a seeded subset of this many images",
-                                         _optional(_integer(1)))
+                                         optional_check(integer_check(1)))
     cache_dir: str | None = _field(None, "where the decoded uint8 cache goes (null: beside the data or ~/.cache)",
-                                   _optional(_text))
+                                   optional_check(text_check))
     # hardware and run control
-    seed: int = _field(0, "seeds the split, the subsets, the shuffling and the weights", _integer(0))
-    precision: str = _field("auto", "auto, 32, bf16-mixed or 16-mixed", _precision)
-    accelerator: str = _field("auto", "auto, cpu or gpu", _text)
-    devices: int | str = _field("auto", "number of devices, a device list or auto", _devices)
-    strategy: str = _field("auto", "Lightning strategy: auto, ddp, ...", _text)
-    num_nodes: int = _field(1, "machines in a multi-node run", _integer(1))
-    compile: bool | str = _field(False, "torch.compile: true (whole model), regions or false", _flag("regions"))
-    channels_last: str | bool = _field("auto", "channels-last memory (auto: resnet*, hybrid*)", _flag("auto"))
+    seed: int = _field(0, "seeds the split, the subsets, the shuffling and the weights", integer_check(0))
+    precision: str = _field("auto", "auto, 32, bf16-mixed or 16-mixed", precision_check)
+    accelerator: str = _field("auto", "auto, cpu or gpu", text_check)
+    devices: int | str = _field("auto", "number of devices, a device list or auto", devices_check)
+    strategy: str = _field("auto", "Lightning strategy: auto, ddp, ...", text_check)
+    num_nodes: int = _field(1, "machines in a multi-node run", integer_check(1))
+    compile: bool | str = _field(False, "torch.compile: true (whole model), regions or false", flag_check("regions"))
+    channels_last: str | bool = _field("auto", "channels-last memory (auto: resnet*, hybrid*)", flag_check("auto"))
     max_time: str | None = _field(None, "wall-clock budget DD:HH:MM:SS; the LR schedule is fitted to it",
-                                  _optional(_max_time))
-    limit_train_batches: int | float | None = _field(None, "batches (int) or fraction (float) of an epoch", _limit)
-    limit_val_batches: int | float | None = _field(None, "as limit_train_batches, for validation", _limit)
-    limit_test_batches: int | float | None = _field(None, "as limit_train_batches, for the test", _limit)
-    ckpt_every_n_steps: int = _field(500, "also write checkpoints/last.ckpt every N optimizer steps", _integer(1))
+                                  optional_check(max_time_check))
+    limit_train_batches: int | float | None = _field(None, "batches (int) or fraction (float) of an epoch", limit_check)
+    limit_val_batches: int | float | None = _field(None, "as limit_train_batches, for validation", limit_check)
+    limit_test_batches: int | float | None = _field(None, "as limit_train_batches, for the test", limit_check)
+    ckpt_every_n_steps: int = _field(500, "also write checkpoints/last.ckpt every N optimizer steps", integer_check(1))
     ckpt_every_minutes: float = _field(2.0, "write checkpoints/last.ckpt every this many minutes of training and "
-                                       "at the end (0: only at the end and every N steps)", _number)
-    out: str = _field("runs", "root of run directories: OUT/<model>/<run-id>/", _text)
+                                       "at the end (0: only at the end and every N steps)", number_check)
+    out: str = _field("runs", "root of run directories: OUT/<model>/<run-id>/", text_check)
     loggers: list = _field([], "Lightning loggers beside metrics.csv (always written): tensorboard, wandb, mlflow, "
                            "comet", logger_names)
-    resume: str | None = _field(None, "auto, a run directory or a checkpoint to continue", _optional(_text))
-    init_from: str | None = _field(None, "start from a zoo checkpoint or a timm ViT state_dict", _optional(_text))
-    init_partial: bool = _field(False, "let init_from load under half of the model's parameter elements", _flag())
+    resume: str | None = _field(None, "auto, a run directory or a checkpoint to continue", optional_check(text_check))
+    init_from: str | None = _field(None, "start from a zoo checkpoint or a timm ViT state_dict",
+                                   optional_check(text_check))
+    init_partial: bool = _field(False, "let init_from load under half of the model's parameter elements", flag_check())
 
     def __post_init__(self):
         _validate(self, "")
@@ -434,24 +330,3 @@ def resolve_config(model: str | None = None, config_file: str | Path | None = No
                           (set_layer, "--set"), (flag_layer, "flags")):
         _merge(merged, layer, source)
     return Recipe.from_dict({**merged, "model": model})
-
-
-def parse_max_time(value: str) -> float:
-    """Lightning's ``DD:HH:MM:SS`` -> seconds."""
-    match = re.fullmatch(r"(\d+):(\d+):(\d+):(\d+)", str(value).strip())
-    if not match:
-        raise ValueError(f"--max-time expects DD:HH:MM:SS (e.g. 00:00:10:00), got {value!r}")
-    days, hours, minutes, seconds = map(int, match.groups())
-    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
-
-
-def parse_limit(value) -> int | float | None:
-    """Lightning's limit_*_batches: an integer is a number of batches, a number with a point a fraction."""
-    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value
-    text = str(value).strip()
-    try:
-        return float(text) if "." in text or "e" in text.lower() else int(text)
-    except ValueError:
-        raise ValueError(f"a batch limit must be an integer (batches) or a fraction like 0.25, "
-                         f"got {value!r}") from None
