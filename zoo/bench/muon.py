@@ -1,0 +1,74 @@
+"""Muon's optimizer step on a model's Muon tensors, side by side: torch's ``Muon`` (one Newton-Schulz iteration per
+matrix, always in bf16) against the zoo's ``FilterMuon`` (one iteration per shape over every matrix of that shape or
+its transpose) in bf16 and in fp32, the steps interleaved (``interleaved_medians``). The speed-up of batching is the
+launch and kernel overhead a per-matrix loop pays: large on a GPU, smaller on a CPU, where the matmuls' FLOPs
+dominate.
+
+    python -m zoo.bench.muon --models vit_tiny hybrid_tiny --out muon.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..models import create_model
+from ..train.device import interleaved_medians, machine_name
+from ..train.optim import FilterMuon, muon_split, param_groups
+
+
+def muon_matrices(name: str, filters: bool = False) -> list[torch.Tensor]:
+    """The tensors a run's Muon updates (the decayed 2-D weights but the head's; with ``filters`` the conv filters
+    too), as new leaf copies with random gradients."""
+    model = create_model(name)
+    head = {id(p) for p in model.get_classifier().parameters()}
+    groups = muon_split(param_groups(model, 2e-3, 0.05), head, filters=filters)[0]
+    g = torch.Generator().manual_seed(0)
+    copies = []
+    for p in (p for group in groups for p in group["params"]):
+        copy = torch.nn.Parameter(p.detach().clone())
+        copy.grad = torch.randn(p.shape, generator=g)
+        copies.append(copy)
+    return copies
+
+
+def bench_muon(name: str, repeats: int = 5) -> dict:
+    """Median milliseconds of one step over ``name``'s 2-D Muon matrices: torch's per-matrix loop (bf16) and the
+    batched step in bf16 and fp32; the ratios against the loop."""
+    def torch_loop():
+        params = muon_matrices(name)
+        return torch.optim.Muon(params, lr=2e-3, weight_decay=0.05, momentum=0.95, nesterov=True,
+                                adjust_lr_fn="match_rms_adamw").step
+
+    def batched(dtype: torch.dtype):
+        return FilterMuon([{"params": muon_matrices(name), "weight_decay": 0.05}], lr=2e-3, ns_dtype=dtype).step
+
+    matrices = muon_matrices(name)
+    seconds = interleaved_medians({"torch_loop_bf16": torch_loop(), "batched_bf16": batched(torch.bfloat16),
+                                   "batched_fp32": batched(torch.float32)}, repeats=repeats)
+    return {"model": name, "matrices": len(matrices), "shapes": len({tuple(p.shape) for p in matrices}),
+            **{f"{k}_ms": 1000 * v for k, v in seconds.items()},
+            "batched_bf16_speedup": seconds["torch_loop_bf16"] / seconds["batched_bf16"],
+            "batched_fp32_speedup": seconds["torch_loop_bf16"] / seconds["batched_fp32"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["vit_tiny"], help="registered model names")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    result = {"machine": machine_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "rows": [bench_muon(name, args.repeats) for name in args.models]}
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
