@@ -225,6 +225,22 @@ def test_flex_forward_equals_math_on_the_cpu():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_flex_reuses_its_kernel_for_another_batch_size():
+    """A mask without per-sequence lengths broadcasts over the batch: the batch dimension is compiled dynamic, so
+    the last, partial batch of an epoch compiles nothing new."""
+    attn = MultiHeadAttention(32, 2, backend="flex").eval()
+    reference = MultiHeadAttention(32, 2, backend="math").eval()
+    reference.load_state_dict(attn.state_dict())
+    s = spec(causal=True, window=9)
+    with torch.no_grad():
+        attn(torch.randn(4, 150, 32), mask=s)
+        graphs = counters["stats"]["unique_graphs"]
+        for batch in (3, 6):  # (size 1 would specialise: torch compiles 0 and 1 apart)
+            x = torch.randn(batch, 150, 32)
+            torch.testing.assert_close(attn(x, mask=s), reference(x, mask=s), atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.slow
 def test_flex_forward_on_a_grid_with_relative_position_bias():
     _flex_matches_math(dict(rel_pos_grid=(5, 6)), dict(window=1, grid=(5, 6)), 30)

@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "absolute colour scale instead of scaling every map min->max")
     p.add_argument("--benchmark", action="store_true", help="inference / training images/s, latency, memory")
     p.add_argument("--precision", default="32", help="benchmark precision: 32, bf16-mixed, 16-mixed")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when a GPU is visible, else cpu)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda when a GPU is visible, else mps on Apple "
+                   "silicon, else cpu)")
     args = p.parse_args(argv)
     for name in ("max_test_images", "num_images", "deletion_images", "faithfulness_images", "batch_size"):
         value = getattr(args, name)
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
             return 0
         if args.compare:
             compare_runs(args.compare, args.out, data_dir=args.data_dir, batch_size=args.batch_size,
-                         deletion_images=min(args.deletion_images, 64), cache_dir=args.cache_dir)
+                         deletion_images=min(args.deletion_images, 64), cache_dir=args.cache_dir, device=args.device)
             print(open(f"{args.out}/compare.md").read())
             return 0
         report = evaluate_run(args.checkpoint, args.out, pretrained=args.pretrained, data_dir=args.data_dir,

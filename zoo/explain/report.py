@@ -239,7 +239,7 @@ def _best_faithfulness(run_dir: Path, out: Path, *labels: str) -> dict | None:
 
 def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: str | None = None,
                  batch_size: int = 256, deletion_images: int = 64, grid_images: int = 6,
-                 cache_dir: str | None = None) -> list[dict]:
+                 cache_dir: str | None = None, device: str | None = None) -> list[dict]:
     """Side by side: compare.md, compare.csv (model, params, FLOPs, test top-1, train and inference images/s,
     deletion AUC of the model's explanation and of random, and the best method of an ``eval.py --faithfulness``
     leaderboard found in the run directory or in ``out``), accuracy_vs_throughput.png, and rollout_grid.png
@@ -247,8 +247,10 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
     metrics.json / benchmark.json / deletion.json found in the run directory; measures only what is missing
     (inference images/s with few repeats; deletion on ``deletion_images`` seeded test images; test top-1, if
     neither summary.json nor metrics.json has it, on those same images only). A run given twice -> ValueError;
-    rows are labelled by model and run id (by the run's path where two run ids are the same)."""
+    rows are labelled by model and run id (by the run's path where two run ids are the same). ``device``: as
+    ``evaluate_run``'s (None -> the GPU when there is one)."""
     out, run_dirs = Path(out), [Path(r) for r in run_dirs]
+    device = eval_device(device)
     check_out_dir(out)
     resolved = [r.resolve() for r in run_dirs]
     twice = sorted({str(r) for r, p in zip(run_dirs, resolved, strict=True) if resolved.count(p) > 1})
@@ -260,6 +262,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
     names = [r.name for r in run_dirs]
     rows, heatmaps, grid = [], {}, None
     for run_dir, (model, meta) in zip(run_dirs, loaded, strict=True):
+        model.to(device)
         summary = meta["summary"]
         dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size,
                              max_test_images=max(deletion_images, grid_images), cache_dir=cache_dir)
@@ -290,7 +293,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
         })
         if grid is None:
             grid = (*spread_test_images(dm, grid_images), dm)
-        heatmaps[label] = explain(model, grid[2].normalize(grid[0])).heatmap
+        heatmaps[label] = explain(model, grid[2].normalize(grid[0]).to(device)).heatmap.cpu()
     _write_table(rows, out)
     viz.save(viz.accuracy_throughput_figure([r["model"] for r in rows], [r["test_top1"] for r in rows],
                                             [r["inference_images_per_s"] for r in rows]),

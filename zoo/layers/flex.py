@@ -3,9 +3,10 @@ https://pytorch.org/blog/flexattention/) with a ``BlockMask`` built from a ``zoo
 the (N, M) score matrix that the mask rules out are skipped rather than computed and thrown away.
 
 - The block mask is built once per (spec, N, M, device) and cached (``block_mask``); flex_attention itself
-  is compiled once per process (``torch.compile``; inductor then specialises per shape: a new batch size or N
-  compiles again, a new window or new lengths at the same shape do not, as they enter ``mask_mod`` as
-  tensors). Under an outer ``torch.compile`` the block mask is built outside the graph (a graph break).
+  is compiled once per process (``torch.compile``) with the batch dimension dynamic, so a new batch size (the
+  last, partial batch of an epoch) reuses the kernel; a new N compiles again, a new window or new lengths at the
+  same shape do not, as they enter ``mask_mod`` as tensors. Under an outer ``torch.compile`` the block mask is
+  built outside the graph (a graph break).
 - The 2D relative position bias enters as a ``score_mod`` (score + bias[h, q, k]), inside the compiled
   function so the bias is an input of the graph, not a constant baked into it.
 - Masks: a spec, ``is_causal`` (folded into the spec) or none. A tensor mask cannot say which blocks are
@@ -46,7 +47,7 @@ def _flex(q, k, v, block_mask, rel_bias):
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
-compiled_flex = torch.compile(_flex, dynamic=False)  # compiles at its first call; this module loads on first use
+compiled_flex = torch.compile(_flex)  # compiles at its first call; this module loads on first use
 
 
 def _refuse(masking: Masking, q, k, v, dropout_p: float) -> None:
@@ -57,6 +58,9 @@ def _refuse(masking: Masking, q, k, v, dropout_p: float) -> None:
     if dropout_p > 0:
         raise ValueError(f"the flex backend has no attention dropout, got attn_drop={dropout_p}; use "
                          "backend='chunked' (banded with a windowed spec) or 'sdpa', or attn_drop=0")
+    if q.device.type == "mps":
+        raise ValueError("the flex backend runs on CUDA and the CPU, not on Apple MPS; use backend='sdpa', or "
+                         "'chunked' with a windowed zoo.masks.spec")
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("the flex backend has no backward on the CPU (torch 2.14); for training on a CPU use "
                          "backend='auto' or 'chunked' with a windowed zoo.masks.spec (the banded path), or run "
@@ -71,6 +75,9 @@ def flex_attention_spec(q, k, v, masking: Masking, dropout_p: float) -> torch.Te
         spec = replace(spec, causal=True)
     blocks = None if spec == MaskSpec() else block_mask(spec, masking.n, masking.m, q.device)
     rel_bias = None if masking.rel_bias is None else masking.rel_bias.to(q.dtype)
+    if blocks is None or blocks.shape[0] == 1:  # a block mask of one batch row broadcasts over any batch size
+        for t in (q, k, v):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
     out = compiled_flex(q, k, v, blocks, rel_bias)
     if spec == MaskSpec():
         return out

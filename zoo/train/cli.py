@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision",
                    help="auto (GPU: bf16-mixed or 16-mixed; CPU: bf16-mixed with native bf16, else 32), 32, "
                    "bf16-mixed, 16-mixed")
-    p.add_argument("--accelerator", help="auto, cpu, gpu")
+    p.add_argument("--accelerator", help="auto, cpu, gpu, mps (Apple silicon)")
     p.add_argument("--devices", help="number of devices, -1 (all), a device list like 0,1, or auto")
     p.add_argument("--strategy", help="auto, ddp, ...")
     p.add_argument("--num-nodes", type=int, help="machines in a multi-node run")

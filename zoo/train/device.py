@@ -20,9 +20,16 @@ from ..atomic import atomic_write_json
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for queued work on ``device`` (CUDA); a no-op on the CPU."""
+    """Wait for queued work on ``device`` (CUDA, Apple MPS); a no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def mps_available() -> bool:
+    """Whether torch has an Apple-silicon GPU (MPS) here."""
+    return torch.backends.mps.is_available()
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPU flags of bf16 dot products / tile matmuls
@@ -71,9 +78,12 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def native_bf16(accelerator: str) -> bool:
     """Whether the run's device computes bf16 natively: on a CPU ``cpu_has_native_bf16``; on a GPU torch's check
-    without emulation (``is_bf16_supported()`` alone says yes on GPUs that only emulate it, a T4 or a V100)."""
+    without emulation (``is_bf16_supported()`` alone says yes on GPUs that only emulate it, a T4 or a V100); on
+    Apple MPS no (Muon's iteration stays fp32 there)."""
     if accelerator == "gpu":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    if accelerator == "mps":
+        return False
     return cpu_has_native_bf16()
 
 
@@ -98,6 +108,8 @@ def resolve_precision(precision: str, accelerator: str,
         return precision
     if accelerator == "gpu":
         return "bf16-mixed" if native_bf16("gpu") else "16-mixed"
+    if accelerator == "mps":  # fp32 everywhere MPS runs; mixed precision there is the user's explicit choice
+        return "32"
     if not native_bf16("cpu"):
         return "32"
     return faster(("32", "bf16-mixed")) if faster is not None else "bf16-mixed"
@@ -145,7 +157,15 @@ def remembered_choice(path: Path, key: str, choose: Callable[[], str]) -> tuple[
 
 
 def resolve_accelerator(accelerator: str, devices) -> str:
-    """``auto`` -> gpu when CUDA is visible, else cpu; a GPU request that cannot be met -> ValueError."""
+    """``auto`` -> gpu when CUDA is visible, else mps on Apple silicon, else cpu; a GPU or MPS request that cannot be
+    met -> ValueError (MPS is one device)."""
+    if accelerator == "mps" or accelerator == "auto" and not torch.cuda.device_count() and mps_available():
+        if not mps_available():
+            raise ValueError("--accelerator mps requested but torch has no MPS device here (Apple silicon, macOS "
+                             "12.3+); use --accelerator cpu")
+        if isinstance(devices, int) and devices > 1 or isinstance(devices, str) and "," in devices:
+            raise ValueError(f"--devices {devices}: Apple MPS is one device; use --devices 1")
+        return "mps"
     if accelerator in ("auto", "gpu", "cuda"):
         available = torch.cuda.device_count()
         if accelerator == "auto":
@@ -160,23 +180,42 @@ def resolve_accelerator(accelerator: str, devices) -> str:
     return accelerator
 
 
+def compile_for(setting: bool | str, accelerator: str) -> bool | str:
+    """The recipe's ``compile`` where the device has torch.compile; on Apple MPS (a prototype backend there) off,
+    said in one line."""
+    if accelerator == "mps" and setting:
+        print(f"compile: {setting} is off on Apple MPS (torch.compile's MPS backend is a prototype); the model runs "
+              "eagerly")
+        return False
+    return setting
+
+
+def accelerator_of(device: torch.device) -> str:
+    """Lightning's accelerator name of a torch device: gpu (CUDA), mps or cpu."""
+    return {"cuda": "gpu", "mps": "mps"}.get(device.type, "cpu")
+
+
 def eval_device(name: str | None = None) -> torch.device:
-    """The device to evaluate on: ``name`` ("cpu", "cuda", "cuda:1", ...) checked against what exists, or by
-    default the GPU when there is one, else the CPU. Not a device, or one this machine lacks -> ValueError."""
+    """The device to evaluate on: ``name`` ("cpu", "cuda", "cuda:1", "mps", ...) checked against what exists, or by
+    default the GPU when there is one (CUDA, else Apple MPS), else the CPU. Not a device, or one this machine lacks
+    -> ValueError."""
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps_available() else "cpu")
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
-        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
+        raise ValueError(f"--device must be cpu, cuda or cuda:N (or mps on Apple silicon), got {name!r}") from None
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if count == 0:
             raise ValueError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
         if device.index is not None and device.index >= count:
             raise ValueError(f"--device {name}: only {count} CUDA GPU(s) visible (cuda:0 .. cuda:{count - 1})")
+    elif device.type == "mps":
+        if not mps_available():
+            raise ValueError(f"--device {name}: torch has no MPS device here (Apple silicon); use --device cpu")
     elif device.type != "cpu":
-        raise ValueError(f"--device {name}: evaluation runs on cpu or cuda, got a {device.type} device")
+        raise ValueError(f"--device {name}: evaluation runs on cpu or cuda (or mps), got a {device.type} device")
     return device
 
 
@@ -184,6 +223,8 @@ def machine_name(accelerator: str = "cpu") -> str:
     """What a run's numbers come from, e.g. "Intel(R) Xeon(R) ... (2 cores, avx512_bf16: no)" or a GPU name."""
     if accelerator == "gpu" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
+    if accelerator == "mps":
+        return f"Apple MPS ({platform.machine()}, macOS {platform.mac_ver()[0]})"
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
         name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),

@@ -25,7 +25,7 @@ from ..atomic import atomic_write_json
 from ..models import create_model, model_info
 from .callbacks import EMAWeightAveraging, LossProgressBar, Throughput, TimeBudget, ValidationClock
 from .data import ImageDataModule
-from .device import machine_name, resolve_accelerator, resolve_muon_dtype, resolve_precision
+from .device import compile_for, machine_name, resolve_accelerator, resolve_muon_dtype, resolve_precision
 from .distributed import (
     external_environment,
     is_global_zero,
@@ -102,7 +102,8 @@ def fit(recipe: Recipe) -> Path:
     muon_dtype = resolve_muon_dtype(muon_dtype, accelerator)
     if resume_from is None and one_process and accelerator == "cpu":
         optimizer = probe_optimizer(recipe, precision, muon_dtype)
-    resolved = replace(recipe, precision=precision, muon_dtype=muon_dtype, optimizer=optimizer)
+    resolved = replace(recipe, precision=precision, muon_dtype=muon_dtype, optimizer=optimizer,
+                       compile=compile_for(recipe.compile, accelerator))
     created = on_rank_zero(lambda: create_run_dir(resolved, run_dir))
     plan = RunPlan(resolved, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
     try:

@@ -14,7 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..layers.whitening import PatchWhitening
 from ..models import compile_regions, create_model
-from .device import resolve_muon_dtype
+from .device import accelerator_of, resolve_muon_dtype
 from .optim import WarmupCosine, WarmupDecay, build_optimizer, param_groups
 from .tta import tta_logits
 
@@ -157,11 +157,10 @@ class ImageClassifier(pl.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         groups = param_groups(self.model, hp.lr, hp.weight_decay, hp.no_decay_lr_scale)
-        accelerator = "gpu" if self.device.type == "cuda" else "cpu"
         head = self.model.get_classifier()  # timm's API, which every zoo model has: Muon leaves the head to AdamW
         optimizer = build_optimizer(hp.optimizer, groups, hp.lr, momentum=hp.momentum,
                                     fused=self.device.type == "cuda", muon_exclude={id(p) for p in head.parameters()},
-                                    muon_dtype=resolve_muon_dtype(hp.muon_dtype, accelerator))
+                                    muon_dtype=resolve_muon_dtype(hp.muon_dtype, accelerator_of(self.device)))
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = WarmupDecay(round(total * hp.warmup_frac), total, hp.min_lr_ratio, hp.schedule)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

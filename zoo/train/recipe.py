@@ -164,7 +164,7 @@ class Recipe:
     # hardware and run control
     seed: int = _field(0, "seeds the split, the subsets, the shuffling and the weights", integer_check(0))
     precision: str = _field("auto", "auto, 32, bf16-mixed or 16-mixed", precision_check)
-    accelerator: str = _field("auto", "auto, cpu or gpu", text_check)
+    accelerator: str = _field("auto", "auto, cpu, gpu or mps (Apple silicon)", text_check)
     devices: int | str = _field("auto", "number of devices, a device list or auto", devices_check)
     strategy: str = _field("auto", "Lightning strategy: auto, ddp, ...", text_check)
     num_nodes: int = _field(1, "machines in a multi-node run", integer_check(1))

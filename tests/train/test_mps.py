@@ -1,0 +1,68 @@
+"""Apple silicon (MPS), with the device's availability forced either way since no Mac is at hand: what
+``--accelerator auto`` and ``eval.py``'s default pick, the one-line refusals, the precision and Muon dtype chosen
+there, torch.compile switched off in one line, and the flex backend's refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zoo.train import device
+
+
+@pytest.fixture
+def mps(monkeypatch):
+    """Pretend this machine has (True) or lacks (False) an MPS device, and no CUDA GPU."""
+    def force(available: bool):
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: available)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return force
+
+
+def test_auto_picks_mps_where_there_is_one(mps):
+    mps(True)
+    assert device.resolve_accelerator("auto", "auto") == "mps"
+    assert device.resolve_accelerator("mps", 1) == "mps"
+    assert device.resolve_accelerator("cpu", "auto") == "cpu"
+    assert device.eval_device(None) == torch.device("mps") and device.eval_device("mps") == torch.device("mps")
+    mps(False)
+    assert device.resolve_accelerator("auto", "auto") == "cpu" and device.eval_device(None) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: device.resolve_accelerator("mps", "auto"), r"--accelerator mps requested but torch has no MPS device"),
+    (lambda: device.eval_device("mps"), r"--device mps: torch has no MPS device here"),
+])
+def test_mps_requested_without_one_is_one_line(call, message, mps):
+    mps(False)
+    with pytest.raises(ValueError, match=message) as err:
+        call()
+    assert "\n" not in str(err.value)
+
+
+def test_mps_is_one_device(mps):
+    mps(True)
+    with pytest.raises(ValueError, match="Apple MPS is one device"):
+        device.resolve_accelerator("mps", 2)
+
+
+def test_choices_on_mps_are_valid_there(mps, monkeypatch, capsys):
+    mps(True)
+    monkeypatch.setenv(device.NATIVE_BF16_ENV, "1")  # the host CPU's bf16 says nothing about the GPU's
+    assert device.resolve_precision("auto", "mps") == "32"
+    assert device.resolve_muon_dtype("auto", "mps") == "float32"
+    assert device.accelerator_of(torch.device("mps")) == "mps"
+    assert device.compile_for("regions", "mps") is False
+    assert "off on Apple MPS" in capsys.readouterr().out
+    assert device.compile_for("regions", "cpu") == "regions" and capsys.readouterr().out == ""
+
+
+def test_train_py_mps_without_one_is_exit_2(capsys):
+    import train
+
+    if torch.backends.mps.is_available():
+        pytest.skip("needs a machine without MPS")
+    assert train.main(["--model", "vit_nano", "--accelerator", "mps"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no MPS device" in err
