@@ -236,16 +236,23 @@ def bench_mfu(name: str, train_img_s: float, device=None, precision: str = "32")
 
 
 def bench_pipeline(data_dir: str | None, batch: int = 128, batches: int = 50, device=None,
-                   **data_kwargs) -> dict:
-    """The input pipeline alone: batch from the in-memory uint8 cache + augment + normalise, images/s.
-    ``data_kwargs`` go to zoo.data.ImageDataModule (e.g. max_train_images, cache_dir)."""
+                   recipe_model: str = "vit_tiny", **data_kwargs) -> dict:
+    """The input pipeline alone, as a training run feeds it: batches from the uint8 cache resident on the device,
+    the ``recipe_model``'s own augmentation (vit_tiny's: crop, flip, RandAugment, mixup / cutmix), normalised, in
+    images/s. ``data_kwargs`` go to zoo.data.ImageDataModule (e.g. max_train_images, cache_dir)."""
+    from dataclasses import asdict
+
     from ..train.data import ImageDataModule
+    from ..train.recipe import resolve_config
     from .pipeline import measure_throughput
 
-    dm = ImageDataModule(data_dir, batch_size=batch, **data_kwargs)
+    device = torch.device(device or default_device())
+    augment = asdict(resolve_config(recipe_model).augment)
+    dm = ImageDataModule(data_dir, batch_size=batch, augment=augment, device_cache=device, **data_kwargs)
     dm.prepare_data()
     dm.setup("fit")
-    return {"batch": batch, "img_s": measure_throughput(dm, num_batches=batches, device=device)}
+    img_s = measure_throughput(dm, num_batches=batches, device=device)
+    return {"batch": batch, "augment": f"{recipe_model}'s recipe", "img_s": img_s}
 
 
 def bench_precision(name: str = "vit_tiny", batch: int = 8, *, repeats: int = 3, device=None) -> dict:
