@@ -69,3 +69,14 @@ def test_table_means_and_paired_differences_match_a_hand_computation(tmp_path):
     read = ablation.read_rows(path)
     assert [(r["variant"], r["seed"]) for r in read] == [("recipe", 0), ("recipe", 1), ("no_ema", 0), ("no_ema", 1)]
     assert ablation.ablation_table(read) == table
+
+
+def test_the_plain_evaluation_goes_where_eval_py_writes_inside_a_run(tmp_path):
+    from zoo.explain.report import check_out_dir
+
+    run_dir = tmp_path / "runs" / "hybrid_tiny" / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("model: hybrid_tiny\n")
+    check_out_dir(ablation.eval_dir(run_dir))  # accepted: the run's own eval/ folder
+    with pytest.raises(ValueError):
+        check_out_dir(run_dir / "plain")

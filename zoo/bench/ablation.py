@@ -51,6 +51,12 @@ def train_command(variant: str, seed: int, *, model: str, config: str, data_dir:
             "--max-time", max_time, "--seed", str(seed), "--out", str(runs), *sets]
 
 
+def eval_dir(run_dir: Path) -> Path:
+    """Where the plain (no TTA) evaluation of a run goes: the run's own eval/ folder, the one place inside a run
+    directory eval.py writes to."""
+    return run_dir / "eval"
+
+
 def run_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
     """Train one (variant, seed), evaluate its tested weights without TTA; its row of ablation.csv."""
     cmd = train_command(variant, seed, model=args.model, config=args.config, data_dir=args.data_dir,
@@ -59,9 +65,9 @@ def run_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
     run_dir = Path(done.stdout.strip().splitlines()[-1])  # train.py prints the run directory last
     summary = json.loads((run_dir / "summary.json").read_text())
     ckpt = run_dir / "checkpoints" / summary["tested_checkpoint"]
-    subprocess.run([sys.executable, "-c", _EVAL, "--checkpoint", str(ckpt), "--out", str(run_dir / "plain"),
+    subprocess.run([sys.executable, "-c", _EVAL, "--checkpoint", str(ckpt), "--out", str(eval_dir(run_dir)),
                     "--data-dir", args.data_dir], check=True, stdout=subprocess.DEVNULL)
-    plain = json.loads((run_dir / "plain" / "metrics.json").read_text())
+    plain = json.loads((eval_dir(run_dir) / "metrics.json").read_text())
     return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "precision": summary["precision"],
             "optimizer": summary.get("optimizer"), "steps": summary["global_step"],
             "train_images_per_s": summary["train_images_per_s"], "best_val_top1": summary["best_val_top1"],
