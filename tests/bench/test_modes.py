@@ -42,4 +42,4 @@ def test_optimizer_costs_are_shares_of_the_step(monkeypatch):
     assert adamw["vs_adamw"] == 1.0 and muon["vs_adamw"] == pytest.approx(adamw["step_ms"] / muon["step_ms"])
     for row in rows:
         assert row["optimizer_share"] == pytest.approx(row["optimizer_ms"] / row["step_ms"])
-        assert row["optimizer_share"] < 1
+        assert 0 <= row["optimizer_share"] < 1  # the step is timed apart: never a negative cost

@@ -106,8 +106,8 @@ class _NoStep:
 def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch: int = 128, repeats: int = 5,
                     precisions=("32", "bf16-mixed")) -> list[dict]:
     """Per precision and optimizer: ``step_ms`` (forward, cross-entropy, backward and the optimizer's step),
-    ``optimizer_ms`` (what the optimizer's step adds to forward + backward alone), ``optimizer_share`` (that over
-    the whole step) and ``vs_adamw`` (AdamW's step time over this one's: the throughput a run keeps with it); the
+    ``optimizer_ms`` (the optimizer's step, timed apart: ``probes.optimizer_step_seconds``), ``optimizer_share`` (that
+    over the whole step) and ``vs_adamw`` (AdamW's step time over this one's: the throughput a run keeps with it); the
     model in the memory format train.py uses, the steps interleaved. Muon's iteration runs in ``muon_dtype``, the
     dtype a run picks on this machine."""
     muon_dtype = resolve_muon_dtype("auto", "cpu")

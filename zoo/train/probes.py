@@ -69,25 +69,31 @@ def probe_precision(recipe: Recipe, precisions: tuple[str, ...]) -> str:
 
 
 def optimizer_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: dict[str, Callable],
-                           precision: str, repeats: int = 3) -> dict[str, float]:
-    """Median seconds of one whole training step (forward, cross-entropy, backward, optimizer step) with each
-    optimizer, ``optimizers[name](model)`` building it on a copy of ``model``; interleaved, after one untimed step
-    each. ``precision``: "32" or "bf16-mixed" (CPU autocast)."""
+                           precision: str, repeats: int = 5) -> dict[str, float]:
+    """Seconds of one whole training step with each optimizer (``optimizers[name](model)`` builds it): the median
+    forward, cross-entropy and backward of a copy of ``model`` (the same work whatever the optimizer) plus the
+    median of that optimizer's step alone, the steps interleaved, each on its own copy holding the same gradients.
+    Timing the step apart keeps the forward + backward's run-to-run noise (a few per cent, as large as the
+    differences sought) out of the comparison. ``precision``: "32" or "bf16-mixed" (CPU autocast)."""
     targets = torch.randint(0, 10, (x.shape[0],), generator=torch.Generator().manual_seed(0))
+    trained = copy.deepcopy(model).train()
 
-    def step_with(build: Callable) -> Callable[[], None]:
-        trained = copy.deepcopy(model).train()
-        optimizer = build(trained)
+    def forward_backward() -> None:
+        trained.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+            logits = trained(x)
+        F.cross_entropy(logits.float(), targets % logits.shape[-1]).backward()
 
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
-                logits = trained(x)
-            F.cross_entropy(logits.float(), targets % logits.shape[-1]).backward()
-            optimizer.step()
-        return step
+    passes = interleaved_medians({"forward_backward": forward_backward}, repeats=repeats)["forward_backward"]
 
-    return interleaved_medians({name: step_with(build) for name, build in optimizers.items()}, repeats=repeats)
+    def step_of(build: Callable) -> Callable[[], None]:
+        stepped = copy.deepcopy(trained)
+        for mine, source in zip(stepped.parameters(), trained.parameters(), strict=True):
+            mine.grad = None if source.grad is None else source.grad.clone()
+        return build(stepped).step
+
+    steps = interleaved_medians({name: step_of(build) for name, build in optimizers.items()}, repeats=repeats)
+    return {name: passes + seconds for name, seconds in steps.items()}
 
 
 def affordable_optimizer(seconds: dict[str, float], preferred: tuple[str, ...], min_speed: float) -> str:
