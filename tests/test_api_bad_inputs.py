@@ -226,7 +226,7 @@ CONTRACT = [
      r"depth of vit_nano must be int, got '4'"),
     ("depth=2.0", lambda: zoo.create_model("hybrid_tiny", depth=2.0), ValueError, r"depth of hybrid_tiny must be int"),
     ("depth=0", lambda: zoo.create_model("vit_nano", depth=0), ValueError, r"depth must be an int >= 1, got 0"),
-    ("hybrid depth=0", lambda: zoo.create_model("hybrid_tiny", depth=0), ValueError, r"depth must be an int >= 1"),
+    ("hybrid depth=-1", lambda: zoo.create_model("hybrid_tiny", depth=-1), ValueError, r"depth must be an int >= 0"),
     ("in_chans=0", lambda: zoo.create_model("vit_nano", in_chans=0), ValueError,
      r"in_chans must be an int >= 1, got 0"),
     ("resnet in_chans=0", lambda: zoo.create_model("resnet18", in_chans=0), ValueError, r"in_chans must be an int"),

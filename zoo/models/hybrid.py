@@ -83,8 +83,9 @@ class HybridNet(TokenFeatures, nn.Module):
                  mlp_ratio: float = 2.0, qkv_bias: bool = True, drop_rate: float = 0.0,
                  drop_path_rate: float = 0.0, attn_layer=MultiHeadAttention, backend: str = "auto"):
         super().__init__()
-        for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim), ("depth", depth)):
-            check_int(name, value)  # 0 would build a model without blocks or input channels
+        for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim)):
+            check_int(name, value)  # 0 would build a model without input channels or width
+        check_int("depth", depth, minimum=0)  # 0: the conv network alone, its grid read as tokens
         self.img_size = to_2tuple(img_size)
         stride = 2 ** (len(stem_chs) + 1)
         if any(not isinstance(s, int) or s < stride or s % stride for s in self.img_size):
@@ -153,13 +154,18 @@ class HybridNet(TokenFeatures, nn.Module):
 
     def forward_pre_stages(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, *img_size) -> whitened (B, 24, *img_size), the first conv group's input."""
-        check_images(x, self.in_chans, self.img_size, self.norm.weight.dtype)
+        check_images(x, self.in_chans, self.img_size, self._weight_dtype)
         return self.stem[:self._STAGES_FROM](x)
 
     def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, *img_size) -> feature grid (B, embed_dim, gh, gw)."""
-        check_images(x, self.in_chans, self.img_size, self.norm.weight.dtype)
+        check_images(x, self.in_chans, self.img_size, self._weight_dtype)
         return self.stem(x)
+
+    @property
+    def _weight_dtype(self) -> torch.dtype:
+        """The dtype of the stem's weights (the final norm may be pruned to Identity for features_only)."""
+        return next(self.stem.parameters()).dtype
 
     def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Feature grid (B, embed_dim, gh, gw) -> tokens (B, gh * gw, embed_dim), row-major."""

@@ -204,7 +204,7 @@ def eval_device(name: str | None = None) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
-        raise ValueError(f"--device must be cpu, cuda or cuda:N (or mps on Apple silicon), got {name!r}") from None
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {name!r} (mps too on Apple silicon)") from None
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if count == 0:
