@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 from collections.abc import Callable
 
@@ -28,7 +27,7 @@ from ..models import compile_regions, create_model
 from ..train.device import cpu_has_native_bf16, machine_name, resolve_muon_dtype
 from ..train.optim import OPTIMIZERS, build_optimizer, param_groups
 from ..train.probes import optimizer_step_seconds
-from .timing import interleaved_medians, measure_inference, training_step
+from .timing import interleaved_medians, measure_inference, print_result, training_step
 
 MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled",
          "fp32_compiled_channels_last", "bf16_mixed_compiled_channels_last", "fp32_regions_channels_last",
@@ -151,11 +150,7 @@ def main(argv=None) -> int:
                       for row in optimizer_costs(name, args.optimizers, args.batch, args.repeats)]
     result = {"machine": machine_name(), "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": rows, "optimizer_rows": optimizer_rows}
-    text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    print_result(result, args.out)
     return 0
 
 

@@ -10,13 +10,13 @@ dominate.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from ..models import create_model
 from ..train.device import interleaved_medians, machine_name
 from ..train.optim import FilterMuon, muon_split, param_groups
+from .timing import print_result
 
 
 def muon_matrices(name: str, filters: bool = False) -> list[torch.Tensor]:
@@ -62,11 +62,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     result = {"machine": machine_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows": [bench_muon(name, args.repeats) for name in args.models]}
-    text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    print_result(result, args.out)
     return 0
 
 

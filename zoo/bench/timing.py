@@ -8,6 +8,7 @@ The training step runs on a copy of the model, so the model passed in is left un
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -170,3 +171,12 @@ def benchmark_model(model: nn.Module, input_shape: Shape = (3, 32, 32), *, num_c
     return {"device": name, "precision": precision, "inference_images_per_s": inference,
             "training_images_per_s": training, "latency_ms": latency * 1000, "peak_memory_bytes": memory,
             "infer_batch": infer_batch, "train_batch": train_batch, "repeats": repeats}
+
+
+def print_result(result: dict, out: str | None = None) -> None:
+    """A benchmark's result as indented JSON on stdout and, with ``out``, in that file."""
+    text = json.dumps(result, indent=2)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    print(text)
