@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from zoo.train.cli import OneLineParser, parse_or_exit_code
+from zoo.train.cli import OneLineParser, line_buffered_output, parse_or_exit_code
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    line_buffered_output()
     args = parse_or_exit_code(parse_args, argv)
     if isinstance(args, int):
         return args

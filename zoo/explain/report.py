@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
+from tqdm import tqdm
 
 from ..atomic import atomic_write_json
 from ..bench.timing import benchmark_model, measure_inference
@@ -78,6 +80,11 @@ def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int 
     return dm
 
 
+def progress(line: str) -> None:
+    """A stage of the work on stderr (standard output holds the results), so a long evaluation is not silent."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def most_confused(matrix: torch.Tensor, class_names: Sequence[str], top: int = 5) -> list[dict]:
     """The ``top`` largest off-diagonal cells of a (C, C) confusion matrix (rows true, columns predicted):
     [{"true", "predicted", "count", "fraction" (of the true class's images)}], largest first, no zeros."""
@@ -107,7 +114,8 @@ def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]
     confusion = MulticlassConfusionMatrix(num_classes=c).to(device)
     top1 = top5 = loss = 0.0
     count = 0
-    for images, labels in dm.test_dataloader():
+    loader = dm.test_dataloader()  # a bar on a terminal only (disable=None): logs get the stage lines
+    for images, labels in tqdm(loader, desc="test", unit="batch", leave=False, file=sys.stderr, disable=None):
         images, labels = dm.normalize(images.to(device)), labels.to(device)
         logits = model(images).float()
         loss += F.cross_entropy(logits, labels, reduction="sum").item()
@@ -194,10 +202,12 @@ def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: 
     check_out_dir(out)
     model.to(device)
     name = meta["model_name"]
+    progress(f"{name}: reading the test images (decoded once into the cache)")
     dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=max_test_images,
                          cache_dir=cache_dir)
     if pretrained:  # normalised as the weights were trained, whatever the statistics of this copy of the data
         dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
+    progress(f"{name}: testing on {len(dm.test_dataset.labels):,} images on {device}")
     metrics, matrix = evaluate(model, dm)
     metrics = {"model": name, "checkpoint": meta["ckpt_path"], **metrics}
     atomic_write_json(out / "metrics.json", metrics)
@@ -205,10 +215,13 @@ def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: 
                                          f"(top-1 {metrics['test_top1']:.3f})"), out / "confusion_matrix.png")
     report = {"metrics": metrics, "deletion": None, "benchmark": None}
     if attention_images:
+        progress(f"{name}: attention maps, rollouts and figures of {attention_images} test images")
         explain_images(model, dm, attention_images, out / "attention")
     if deletion_images:
+        progress(f"{name}: deletion test on {deletion_images} test images")
         report["deletion"] = run_deletion(model, dm, deletion_images, out, title=f"{name} deletion test")
     if benchmark:
+        progress(f"{name}: measuring speed")
         shape = tuple(dm.test_dataset.images.shape[1:])
         report["benchmark"] = benchmark_model(model, shape, num_classes=dm.num_classes, precision=precision)
         atomic_write_json(out / "benchmark.json", {"model": name, **report["benchmark"]})

@@ -6,7 +6,6 @@ training loss, neither of them reading a device value on the host between progre
 
 from __future__ import annotations
 
-import math
 import time
 from itertools import chain
 
@@ -15,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar, WeightAveraging
 
 from .device import synchronize
+from .forecast import RunForecast, format_duration, guess_val_time, steps_in_budget
 from .optim import ema_multi_avg_fn
 
 
@@ -81,18 +81,12 @@ class TimeBudget(pl.Callback):
         steps_per_epoch = max(trainer.num_training_batches // trainer.accumulate_grad_batches, 1)
         # before validation was measured: a forward pass costs about a third of a training step, times the
         # forward passes test-time augmentation makes
-        passes = getattr(pl_module, "eval_passes", 1)
-        val_time = self.val_time if self.val_time is not None else (
-            self.step_time / 3 * passes * _num_batches(trainer.num_val_batches))
-        left = self.budget_s - self.elapsed() - val_time  # the budget is the fit's, as Lightning's max_time
-        more = max(int(left / (self.step_time + val_time / steps_per_epoch)), 1)
+        val_time = self.val_time if self.val_time is not None else guess_val_time(trainer, pl_module, self.step_time)
+        more = steps_in_budget(self.budget_s - self.elapsed(), self.step_time, val_time, steps_per_epoch)
         self.total_steps = trainer.strategy.broadcast(trainer.global_step + more)  # rank 0's clock decides
         pl_module.refit_schedule(self.total_steps)
 
 
-def _num_batches(counts) -> float:
-    counts = counts if isinstance(counts, list) else [counts]
-    return float(sum(c for c in counts if math.isfinite(c)))
 
 
 class Throughput(pl.Callback):
@@ -185,11 +179,17 @@ class EMAWeightAveraging(WeightAveraging):
 class LossProgressBar(TQDMProgressBar):
     """Lightning's progress bar with the latest training loss read only when it refreshes: the module logs the
     loss without ``prog_bar`` (Lightning turns progress-bar values into Python numbers after every batch, one
-    host sync per step), and this bar reads it from the callback metrics at its own refresh rate."""
+    host sync per step), and this bar reads it from the callback metrics at its own refresh rate. With a
+    ``RunForecast`` among the callbacks it also shows the whole run's time left ("run left")."""
 
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the run directory's id, printed when the run ends
         loss = trainer.callback_metrics.get("train/loss_step")
         if trainer.training and loss is not None:
             metrics["train/loss"] = f"{loss.item():.3g}"
+        forecast = next((c for c in trainer.callbacks if isinstance(c, RunForecast)), None)
+        left = forecast.remaining_s(trainer, pl_module) if forecast is not None and trainer.training else None
+        if left is not None:  # the whole run's time left; the bar's own ETA is the epoch's
+            metrics["run left"] = format_duration(left)
         return metrics

@@ -110,6 +110,14 @@ def list_models() -> str:
     return "\n".join(lines)
 
 
+def line_buffered_output() -> None:
+    """Each printed line goes out at once also when stdout is a pipe or a file (``| tee``, nohup, a SLURM log),
+    where Python would otherwise hold it in a block buffer until the run ends."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and not stream.isatty():
+            stream.reconfigure(line_buffering=True)
+
+
 def parse_or_exit_code(parse, argv) -> argparse.Namespace | int:
     """``parse(argv)``, or the exit code argparse chose (2 for a bad command line, 0 for --help)."""
     try:
@@ -119,6 +127,7 @@ def parse_or_exit_code(parse, argv) -> argparse.Namespace | int:
 
 
 def main(argv=None) -> int:
+    line_buffered_output()
     args = parse_or_exit_code(parse_args, argv)
     if isinstance(args, int):
         return args

@@ -35,9 +35,11 @@ from .distributed import (
     rank_zero_first,
     split_batch,
 )
+from .forecast import RunForecast
 from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
 from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
+from .quiet import quiet_libraries
 from .recipe import Recipe, parse_max_time
 from .runs import (
     AtomicCheckpointIO,
@@ -77,6 +79,7 @@ def fit(recipe: Recipe) -> Path:
     which holds config.yaml, metrics.csv, checkpoints/{last,best}.ckpt and summary.json. With ``recipe.resume``
     ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends, once its model, model
     arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
+    quiet_libraries()
     accelerator = resolve_accelerator(recipe.accelerator, recipe.devices)
     require_loggers(recipe.loggers)
     world_size = planned_world_size(recipe.devices, recipe.num_nodes, accelerator)
@@ -192,12 +195,14 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
         interval = timedelta(minutes=recipe.ckpt_every_minutes)
         callbacks.append(ModelCheckpoint(ckpt_dir, "last", train_time_interval=interval, enable_version_counter=False))
     throughput = Throughput(writes)
+    budget_s = parse_max_time(recipe.max_time) - spent_s if recipe.max_time else None
     callbacks += [throughput, LossProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
-                  LearningRateMonitor("step"), ValidationClock()]
+                  LearningRateMonitor("step"), ValidationClock(),
+                  RunForecast(recipe, plan.accelerator, machine_name(plan.accelerator), budget_s)]
     if recipe.ema_decay:
         callbacks.append(EMAWeightAveraging(recipe.ema_decay))
     if recipe.max_time:
-        callbacks += [TimeBudget(parse_max_time(recipe.max_time) - spent_s), Timer(recipe.max_time)]
+        callbacks += [TimeBudget(budget_s), Timer(recipe.max_time)]
     return RunCallbacks(best, throughput, callbacks, writes)
 
 
@@ -211,7 +216,8 @@ def build_trainer(plan: RunPlan, callbacks: RunCallbacks) -> pl.Trainer:
         logger=build_loggers(recipe.loggers, plan.run_dir, plan.resume_from), callbacks=callbacks.all,
         plugins=[callbacks.checkpoint_io], limit_train_batches=recipe.limit_train_batches,
         limit_val_batches=recipe.limit_val_batches, limit_test_batches=recipe.limit_test_batches,
-        log_every_n_steps=min(50, recipe.ckpt_every_n_steps), num_sanity_val_steps=0)
+        log_every_n_steps=min(50, recipe.ckpt_every_n_steps), num_sanity_val_steps=0,
+        enable_model_summary=False)  # RunForecast says the size (Lightning's table counts FLOPs as 0)
 
 
 def run_test(trainer: pl.Trainer, module: ImageClassifier, dm: ImageDataModule, best: ModelCheckpoint) -> dict:

@@ -73,7 +73,8 @@ def download_cifar10(root: Path) -> None:
         reason = " ".join(str(err).split())
         raise DataError(
             f"could not download CIFAR-10 into {root} ({type(err).__name__}: {reason}); copy CIFAR-10 into "
-            f"{root}/{CIFAR_DIR}, or pass a data folder holding train/<class>/ and test/<class>/ images"
+            f"{root}/{CIFAR_DIR}, or pass --data-dir DIR, a folder holding train/<class>/ and test/<class>/ "
+            f"images or {CIFAR_DIR}"
         ) from err
 
 

@@ -1,0 +1,163 @@
+"""What a run will do, said before it does it: ``RunForecast`` prints the model's size, then (after a few measured
+steps) one line with the device, precision, epochs, steps and the estimated wall time, and a hint when the run is
+far longer than a CPU user expects or its budget is far shorter than its recipe's schedule; it also gives the
+progress bar the whole run's remaining time (``remaining_s``).
+
+The estimate is steps left x the measured step time plus one validation pass per epoch left (measured once one
+has run; before that ``guess_val_time``), and never more than what is left of a ``--max-time`` budget; with a
+budget, the steps are those that fit in it (``steps_in_budget``, the formula ``TimeBudget`` fits the schedule
+with). Printed by rank 0 only."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning.pytorch as pl
+
+from ..models import model_info
+from .device import synchronize
+
+HOUR_S = 3600.0
+CPU_BUDGET_HINT = "--config configs/cpu_budget.yaml --max-time 00:00:10:00"
+
+
+def format_duration(seconds: float) -> str:
+    """'41 h 10 min', '9 min 30 s', '45 s'."""
+    seconds = max(int(round(seconds)), 0)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes} min"
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
+def guess_val_time(trainer, pl_module, step_time: float) -> float:
+    """A validation pass before one was measured: a forward pass costs about a third of a training step, times
+    the forward passes test-time augmentation makes (``eval_passes``), times the validation batches."""
+    batches = sum(c for c in _as_list(trainer.num_val_batches) if math.isfinite(c))
+    return step_time / 3 * getattr(pl_module, "eval_passes", 1) * batches
+
+
+def steps_in_budget(left_s: float, step_time: float, val_time: float, steps_per_epoch: int) -> int:
+    """Optimizer steps that fit in ``left_s`` seconds once the final validation and one validation per epoch of
+    steps are paid for (at least 1)."""
+    return max(int((left_s - val_time) / (step_time + val_time / steps_per_epoch)), 1)
+
+
+def long_schedule_settings(recipe) -> list[str]:
+    """The recipe's settings that regularise for a schedule of many epochs (they slow learning in a few)."""
+    augment, model_args = recipe.augment, recipe.model_args or {}
+    found = [name for name, on in (("randaugment", augment.randaugment), ("mixup_alpha", augment.mixup_alpha),
+                                   ("cutmix_alpha", augment.cutmix_alpha),
+                                   ("drop_path_rate", model_args.get("drop_path_rate"))) if on]
+    return found
+
+
+class RunForecast(pl.Callback):
+    """Prints the model line when the fit starts and the plan line once ``skip_steps + measure_steps`` optimizer
+    steps have run (the first steps compile and warm caches, so they are left out of the step time).
+
+    ``budget_s``: the ``--max-time`` budget left for the fit, or None."""
+
+    def __init__(self, recipe, accelerator: str, machine: str, budget_s: float | None = None,
+                 skip_steps: int = 1, measure_steps: int = 3):
+        self.recipe, self.accelerator, self.machine, self.budget_s = recipe, accelerator, machine, budget_s
+        self.skip_steps, self.measure_steps = skip_steps, measure_steps
+        self.step_time: float | None = None
+        self.val_time: float | None = None
+        self.lines: list[str] = []  # what it printed, for tests and logs
+        self._t_skip = self._t_val = self._fit_t0 = None
+        self._start_step = 0
+
+    def _say(self, trainer, line: str) -> None:
+        if trainer.is_global_zero:
+            bar = trainer.progress_bar_callback
+            if getattr(bar, "_train_progress_bar", None) is not None:
+                bar.print(line)  # above the progress bar, not inside its line
+            else:
+                print(line, flush=True)
+            self.lines.append(line)
+
+    def on_fit_start(self, trainer, pl_module):
+        self._fit_t0 = time.perf_counter()
+        info = model_info(pl_module.model)
+        _, height, width = info["input_size"]
+        self._say(trainer, f"{self.recipe.model}: {info['params'] / 1e6:.2f} M parameters, "
+                           f"{info['flops'] / 1e6:,.0f} M FLOPs per {height}x{width} image")
+
+    def on_train_start(self, trainer, pl_module):
+        self._start_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        done = trainer.global_step - self._start_step
+        if done == self.skip_steps:
+            synchronize(pl_module.device)
+            self._t_skip = time.perf_counter()
+        elif done == self.skip_steps + self.measure_steps and self.step_time is None and self._t_skip is not None:
+            synchronize(pl_module.device)
+            self.step_time = (time.perf_counter() - self._t_skip) / self.measure_steps
+            self._announce(trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module):
+        self._t_val = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking and self._t_val is not None:
+            self.val_time = time.perf_counter() - self._t_val
+
+    def _val_time(self, trainer, pl_module) -> float:
+        return self.val_time if self.val_time is not None else guess_val_time(trainer, pl_module, self.step_time)
+
+    def _budget_left(self) -> float | None:
+        return None if self.budget_s is None else max(self.budget_s - (time.perf_counter() - self._fit_t0), 0.0)
+
+    def total_steps(self, trainer, pl_module) -> int:
+        """The run's optimizer steps: the schedule's, or those that fit in what is left of the budget."""
+        scheduled = int(trainer.estimated_stepping_batches)
+        left = self._budget_left()
+        if left is None or self.step_time is None:
+            return scheduled
+        fit = trainer.global_step + steps_in_budget(left, self.step_time, self._val_time(trainer, pl_module),
+                                                    _steps_per_epoch(trainer))
+        return min(scheduled, fit)
+
+    def remaining_s(self, trainer, pl_module) -> float | None:
+        """Seconds left in the whole fit (training and validation), or None before the step time is measured."""
+        if self.step_time is None:
+            return None
+        steps_left = max(self.total_steps(trainer, pl_module) - trainer.global_step, 0)
+        left = steps_left * self.step_time + math.ceil(steps_left / _steps_per_epoch(trainer)) * self._val_time(
+            trainer, pl_module)
+        budget_left = self._budget_left()
+        return left if budget_left is None else min(left, budget_left)
+
+    def _announce(self, trainer, pl_module) -> None:
+        recipe, per_epoch = self.recipe, _steps_per_epoch(trainer)
+        total = self.total_steps(trainer, pl_module)
+        eta = self.remaining_s(trainer, pl_module) + (time.perf_counter() - self._fit_t0)
+        if self.budget_s is None:
+            schedule = f"{recipe.epochs} epochs x {per_epoch} steps = {total:,} steps"
+        else:
+            schedule = (f"{total:,} steps (about {total / per_epoch:.2g} of the recipe's {recipe.epochs} epochs of "
+                        f"{per_epoch} steps) in --max-time {recipe.max_time}")
+        self._say(trainer, f"{self.accelerator} ({self.machine}), precision {trainer.precision}, batch "
+                           f"{recipe.batch_size}: {schedule}; about {format_duration(eta)} "
+                           f"({self.step_time:.3g} s a step, validation included)")
+        regularisers = long_schedule_settings(recipe)
+        if self.budget_s is not None and total < 3 * per_epoch and recipe.epochs >= 30 and regularisers:
+            self._say(trainer, f"the budget covers {total / per_epoch:.2g} of {recipe.epochs} epochs, and the "
+                               f"recipe regularises for all of them ({', '.join(regularisers)}): for a budget of "
+                               f"minutes add --config configs/cpu_budget.yaml")
+        elif self.accelerator == "cpu" and eta > HOUR_S and self.budget_s is None:
+            data = f" --data-dir {recipe.data_dir}" if recipe.data_dir else ""
+            self._say(trainer, f"on a CPU that is long: the CPU-sized recipe trains {recipe.model} in 10 minutes: "
+                               f"python train.py --model {recipe.model}{data} {CPU_BUDGET_HINT}")
+
+
+def _steps_per_epoch(trainer) -> int:
+    return max(trainer.num_training_batches // trainer.accumulate_grad_batches, 1)
+
+
+def _as_list(counts) -> list:
+    return counts if isinstance(counts, list) else [counts]

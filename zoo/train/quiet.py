@@ -1,0 +1,59 @@
+"""Keeps the libraries' routine chatter off the first screen of a run: Lightning's info lines (hardware found,
+AMP in use, advertising tips, batch limits) and a few known warnings from inside Lightning and torch that a user
+cannot act on. Each is matched by its message, so every other warning and error still shows."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# Lightning's info lines (rank_zero_info) that repeat what the zoo's own lines say, or advertise
+INFO_PREFIXES = (
+    "💡 Tip:",
+    "GPU available:",
+    "TPU available:",
+    "HPU available:",
+    "Using bfloat16 Automatic Mixed Precision",
+    "Using 16-bit Automatic Mixed Precision",
+    "`Trainer(limit_",
+    "`Trainer(val_check_interval",
+    "Loading `train_dataloader` to estimate number of stepping batches",
+    "Restoring states from the checkpoint path",
+    "Loaded model weights from the checkpoint",
+    "LOCAL_RANK:",
+    "`Trainer.fit` stopped:",
+)
+
+# warnings raised inside Lightning / torch about their own internals or about settings the zoo makes on purpose
+WARNING_MESSAGES = (
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated",    # torch's pytree, called by Lightning
+    r"The number of training batches .* is smaller than the logging interval",  # --limit-train-batches runs
+    r"Precision .* is not supported by the model summary",
+    r"The '\w+_dataloader' does not have many workers",       # the zoo's batches are already on the device
+    r"Checkpoint directory .* exists and is not empty",       # a resumed run writes into its own checkpoints/
+    r"You are using a CUDA device .* that has Tensor Cores",  # the zoo sets float32_matmul_precision itself
+    r"The `srun` command is available on your system",
+)
+
+LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+           "lightning_utilities.core.rank_zero", "lightning.pytorch", "lightning.fabric")
+
+
+class _DropRoutineInfo(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(INFO_PREFIXES)
+
+
+_FILTER = _DropRoutineInfo()
+
+
+def quiet_libraries() -> None:
+    """Install the filters (idempotent): on the loggers Lightning's info lines come from and on their handlers,
+    and ``warnings`` filters for the messages in ``WARNING_MESSAGES``."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        for target in (logger, *logger.handlers):
+            if _FILTER not in target.filters:
+                target.addFilter(_FILTER)
+    for message in WARNING_MESSAGES:
+        warnings.filterwarnings("ignore", message=message)
