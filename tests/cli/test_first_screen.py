@@ -126,3 +126,25 @@ def test_output_into_a_pipe_goes_out_line_by_line():
     assert first_line_within(f"from zoo.train.cli import line_buffered_output; line_buffered_output(); {waits}",
                              30) == "first"
     assert first_line_within(waits, 2) is None  # Python's own block buffer: what the CLIs change
+
+
+@pytest.mark.slow
+def test_the_readme_main_command_on_a_cpu_names_its_time_and_the_cpu_sized_command(cifar_dir, tmp_path):
+    """``python train.py --model vit_tiny --data-dir DIR`` (200 epochs): the plan line and the hint come before
+    training goes on; the run is stopped there."""
+    cmd = [sys.executable, "train.py", "--model", "vit_tiny", "--data-dir", str(cifar_dir), "--accelerator", "cpu",
+           "--out", str(tmp_path / "runs")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # the CLI's own line buffering
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if "cpu_budget" in line:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert any(re.match(r"cpu \(.*\), precision .*: 200 epochs x \d+ steps = [\d,]+ steps; about \d+ h", line)
+               for line in lines), lines
+    assert lines[-1].endswith(f"--data-dir {cifar_dir} --config configs/cpu_budget.yaml --max-time 00:00:10:00")
