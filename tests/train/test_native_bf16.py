@@ -150,9 +150,14 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "muon", "muon_conv"])
-@pytest.mark.parametrize("options", list(OPTIONS))
-@pytest.mark.parametrize("native", ["0", "1"])
+# the default suite runs three of the sixteen fits (both detections, both option sets, Muon and AdamW); -m slow all
+DEFAULT_FITS = {("0", "airbench", "muon_conv"), ("1", "heavy_augment", "muon_conv"), ("0", "heavy_augment", "adamw")}
+FITS = [pytest.param(native, options, optimizer, id=f"{native}-{options}-{optimizer}",
+                     marks=() if (native, options, optimizer) in DEFAULT_FITS else pytest.mark.slow)
+        for native in ("0", "1") for options in OPTIONS for optimizer in ("adamw", "sgd", "muon", "muon_conv")]
+
+
+@pytest.mark.parametrize("native, options, optimizer", FITS)
 def test_training_steps_compute_bf16_only_where_it_is_native(native, options, optimizer, cifar_dir, tmp_path,
                                                              monkeypatch):
     """Real training steps (Lightning's fit: training, validation with TTA, the test) of a small hybrid under a
