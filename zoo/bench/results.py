@@ -107,6 +107,16 @@ def versions() -> dict:
             "lightning": lightning_version, "zoo": f"{__version__} (git {commit})" if commit else __version__}
 
 
+def command_line(module: str, argv=None) -> str:
+    """How this command was run, for a record: ``python -m MODULE ARGS`` (``argv`` or the process's arguments),
+    each argument quoted only where the shell needs it."""
+    import shlex
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("ZOO_NATIVE_BF16",) if k in os.environ)
+    return " ".join(x for x in (env, f"python -m {module}", shlex.join(str(a) for a in args)) if x)
+
+
 def validate(result: dict, where: str = "result") -> dict:
     """``result`` if it is a well-formed results record, else ResultError naming ``where`` and the problem."""
     if not isinstance(result, dict):
