@@ -26,7 +26,7 @@ README_MODELS = ("hybrid_tiny", "vit_nano", "vit_tiny", "hybrid_small", "vit_loc
                  "resnet18", "vit_small")
 TEN_MINUTES = "00:00:10:00"
 MODE_COLUMNS = (("fp32", "fp32"), ("fp32_channels_last", "fp32 channels_last"), ("fp32_compiled", "fp32 compiled"),
-                ("compile_s", "compile s"), ("fp32_regions_channels_last", "fp32 regions"),
+                ("fp32_compiled_compile_s", "compile s"), ("fp32_regions_channels_last", "fp32 regions"),
                 ("bf16_mixed_channels_last", "bf16-mixed channels_last"),
                 ("bf16_mixed_regions_channels_last", "bf16-mixed regions"), ("bf16_true", "bf16-true"),
                 ("inference_fp32", "inference fp32"), ("inference_bf16_mixed", "inference bf16-mixed"))
@@ -34,14 +34,15 @@ SPARSE_COLUMNS = ("dense", "math", "masked_sdpa", "banded", "flex", "auto", "pro
 
 
 def num(x) -> str:
-    """A number as measured: integers with thousands separators, others as written (no rounding); None -> —."""
+    """A number for a table: from 1,000 up a whole number with separators, below it 4 significant digits (every
+    transcribed figure has at most 4, so they read as measured); None -> —."""
     if x is None or x == "":
         return "—"
     if isinstance(x, bool):
         return "yes" if x else "no"
-    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) >= 1000):
-        return f"{int(x):,}"
-    return f"{x:g}" if isinstance(x, float) else str(x)
+    if isinstance(x, int) or (isinstance(x, float) and abs(x) >= 1000):
+        return f"{round(x):,}"
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
 def mean_sd(values: list[float], count: bool = True) -> str:
@@ -203,7 +204,7 @@ def modes_section(results: list[dict]) -> list[str]:
 def optimizer_section(results: list[dict]) -> list[str]:
     cols = [("model", "model"), ("precision", "precision"), ("muon_dtype", "Muon's iteration"),
             ("muon_vs_adamw", "`muon` vs AdamW"), ("muon_conv_vs_adamw", "`muon_conv` vs AdamW"),
-            ("matrices", "matrices"), ("shapes", "shapes"), ("loop_bf16_ms", "torch's loop, bf16 ms"),
+            ("matrices", "matrices"), ("shapes", "shapes"), ("torch_loop_bf16_ms", "torch's loop, bf16 ms"),
             ("batched_bf16_ms", "batched, bf16 ms"), ("batched_fp32_ms", "batched, fp32 ms")]
     return _rows_section(
         "What an optimizer step costs",
@@ -268,6 +269,12 @@ def sparse_section(results: list[dict]) -> list[str]:
     return out
 
 
+def _auc(row: dict, key: str, best: float) -> str:
+    """"0.456 [0.445, 0.467]" (measured to 3 decimals), bold where it is the model's best method's."""
+    v = f"{row[key]:.3f} [{row[key + '_ci'][0]:.3f}, {row[key + '_ci'][1]:.3f}]"
+    return f"**{v}**" if row["method"] != "random" and row[key] == best else v
+
+
 def faithfulness_section(results: list[dict]) -> list[str]:
     out = ["## Faithfulness of the explanations",
            "", "Area under the true class's probability as patches are removed most important first (deletion: "
@@ -281,11 +288,8 @@ def faithfulness_section(results: list[dict]) -> list[str]:
             best_del = min(row["deletion"] for row in mine)
             best_ins = max(row["insertion"] for row in mine)
             for i, row in enumerate(x for x in rows if x["model"] == model):
-                def auc(key, best):
-                    v = f"{row[key]:.3f} [{row[key + '_ci'][0]:.3f}, {row[key + '_ci'][1]:.3f}]"  # as measured
-                    return f"**{v}**" if row["method"] != "random" and row[key] == best else v
-                lines.append([f"`{model}`" if i == 0 else "", row["method"], auc("deletion", best_del),
-                              num(row["deletion_p"]), num(row["deletion_p_rollout"]), auc("insertion", best_ins),
+                lines.append([f"`{model}`" if i == 0 else "", row["method"], _auc(row, "deletion", best_del),
+                              num(row["deletion_p"]), num(row["deletion_p_rollout"]), _auc(row, "insertion", best_ins),
                               num(row["insertion_p"]), num(row["insertion_p_rollout"])])
         out += ["", f"`{r['machine']['id']}`, {r['date']}; {r['numbers']['setting']}. Command: `{r['command']}`",
                 "",
@@ -358,11 +362,12 @@ def readme_table(results: list[dict]) -> str:
     rows = []
     for model in README_MODELS:
         i, s, sp = info.get(model), shipped.get(model), speed.get(model)
-        rows.append([f"`{model}`", f"{i['params'] / 1e6:.2f} M" if i else "—", f"{i['flops'] / 1e6:,.0f} M" if i else "—",
+        rows.append([f"`{model}`", f"{i['params'] / 1e6:.2f} M" if i else "—",
+                     f"{i['flops'] / 1e6:,.0f} M" if i else "—",
                      mean_sd(ten[model]) if model in ten else "—",
                      f"{num(s['test_top1'])} ({num(s['test_top1_tta'])})" if s else "—",
                      f"{num(sp.get('fp32'))} / {num(sp.get('inference_fp32'))}" if sp else "—"])
-    head = ["model", "params", "FLOPs", f"10-min CPU top-1 ({machine['cpu']}, {machine['cores']} cores)",
+    head = ["model", "params", "FLOPs", f"10-min CPU top-1 ({machine['cores']}-core {machine['cpu']})",
             "shipped top-1 (TTA)", "train / infer img/s (fp32)"]
     return "\n".join([README_BEGIN, *table(head, rows), README_END])
 

@@ -12,8 +12,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from ..models.checkpoints import load_shipped
 from . import figures as viz
 from .faithfulness_report import balanced_test_images
