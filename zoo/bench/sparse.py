@@ -216,7 +216,8 @@ def results_records(found: dict, command: str, window: int = 64) -> list[dict]:
         rows = []
         for n in sorted({r["n"] for r in found["rows"] if r["mode"] == mode}):
             cells = {}
-            for r in found["rows"]:
+            # the window's own row first; a first-window row adds only the windowless candidates (dense, math)
+            for r in sorted(found["rows"], key=lambda r: r["window"] != window):
                 if r["n"] == n and r["mode"] == mode and (r["window"] == window or "dense_ms" in r):
                     for name in (k[:-3] for k in r if k.endswith("_ms")):
                         cells.setdefault(name, {"ms": r[f"{name}_ms"], "mib": r.get(f"{name}_mb")})
