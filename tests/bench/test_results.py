@@ -150,3 +150,15 @@ def test_sparse_rows_become_one_record_per_mode():
     assert [c["measured"] for c in training["numbers"]["claims"]] == ["8.46x"]
     assert inference["numbers"]["rows"] == [{"n": 1024, "banded": {"ms": 5.0, "mib": None}}]
     assert [c["measured"] for c in inference["numbers"]["claims"]] == ["5.6x"]
+
+
+def test_gpu_check_report_becomes_a_gpu_record(tmp_path):
+    from zoo.bench import gpu_check
+
+    report = {"dry_run": False, "skipped": ["suite"], "environment": {"ok": True, "memory_gb": 139.0},
+              "vit_tiny": {"ok": True, "train_img_s": 5000.0, "run": "runs/x", "seconds": 60.0},
+              "speedrun": {"ok": False, "error": "boom", "seconds": 1.0}}
+    (found,) = gpu_check.results_records(report, tmp_path, "python -m zoo.bench.gpu_check --out OUT")
+    assert found["kind"] == "gpu"
+    assert found["numbers"]["rows"] == [{"step": "vit_tiny", "measure": "train_img_s", "value": 5000.0},
+                                        {"step": "vit_tiny", "measure": "seconds", "value": 60.0}]

@@ -183,18 +183,39 @@ def _suite_summary(results: dict) -> dict:
             "gemm_peak_tflops": mfu["gemm_peak_gflops"] / 1e3}
 
 
+def results_records(report: dict, out: Path, command: str) -> list[dict]:
+    """The check's measurements as ``zoo.bench.results`` records: a "gpu" record of every step's scalar results
+    (one row each) and, when the suite ran, its "suite" record."""
+    from . import results
+    from .suite import results_record
+
+    rows = [{"step": step, "measure": key, "value": value} for step, found in report.items()
+            if isinstance(found, dict) and found.get("ok") and step != "environment"
+            for key, value in found.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    records = [results.make("gpu", "The prepared GPU check", command, {"rows": rows})] if rows else []
+    if report.get("suite", {}).get("ok"):
+        records.append(results_record(json.loads((out / "suite" / "bench.json").read_text()), command))
+    return records
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", help="CIFAR-10 (image folders or cifar-10-batches-py)")
     p.add_argument("--out", required=True, help="folder for the report, the runs and the logs")
     p.add_argument("--dry-run", action="store_true", help="every step at tiny sizes, no timings (any device)")
     p.add_argument("--skip", nargs="*", default=[], choices=STEPS, help="steps to leave out")
+    p.add_argument("--results", metavar="DIR", help="also record the measurements in DIR (results/) for the report")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU is visible; use --dry-run to check the steps on this machine", file=sys.stderr)
         return 2
     report = run_check(args.out, args.data_dir, args.dry_run, args.skip)
     print(Path(args.out) / "gpu_check.md")
+    if args.results and not args.dry_run:  # a dry run's sizes are not numbers to report
+        from . import results
+
+        for record in results_records(report, Path(args.out), results.command_line("zoo.bench.gpu_check", argv)):
+            print(results.write(record, args.results))
     return 0 if all(r["ok"] for r in report.values() if isinstance(r, dict)) else 1
 
 
