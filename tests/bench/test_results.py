@@ -162,3 +162,11 @@ def test_gpu_check_report_becomes_a_gpu_record(tmp_path):
     assert found["kind"] == "gpu"
     assert found["numbers"]["rows"] == [{"step": "vit_tiny", "measure": "train_img_s", "value": 5000.0},
                                         {"step": "vit_tiny", "measure": "seconds", "value": 60.0}]
+
+
+def test_command_line_quotes_arguments_and_keeps_the_bf16_switch(monkeypatch):
+    monkeypatch.delenv("ZOO_NATIVE_BF16", raising=False)
+    assert results.command_line("zoo.bench.modes", ["--models", "vit_nano", "--set", "a b"]) == \
+        "python -m zoo.bench.modes --models vit_nano --set 'a b'"
+    monkeypatch.setenv("ZOO_NATIVE_BF16", "0")
+    assert results.command_line("zoo.bench.muon", []) == "ZOO_NATIVE_BF16=0 python -m zoo.bench.muon"
