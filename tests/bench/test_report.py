@@ -119,6 +119,16 @@ def test_a_readme_without_markers_is_an_error(tmp_path, capsys):
     assert "no results table markers" in capsys.readouterr().err
 
 
+def test_an_untimed_run_sorts_last_and_shows_its_epochs():
+    def run(budget):
+        return {"kind": "train", "machine": {"id": "m"}, "command": "c", "numbers": {
+            "model": "vit_nano", "budget": budget, "setting": "", "precision": "32", "seed": 0, "steps": 1,
+            "train_images_per_s": 1.0, "test_top1": 0.5, "tta": False}}
+    lines = report.accuracy_section([run("12 epochs"), run("00:01:00:00")])
+    rows = [line for line in lines if line.startswith("| `vit_nano`")]
+    assert rows[0].startswith("| `vit_nano` | 60 min |") and rows[1].startswith("| `vit_nano` | 12 epochs |")
+
+
 def test_mean_sd_is_the_sample_sd():
     assert report.mean_sd([0.8411, 0.8611, 0.8622]) == "0.855 ± 0.012 (n=3)"   # sd 0.01188 by hand
     assert report.mean_sd([0.736]) == "0.736 (n=1)"

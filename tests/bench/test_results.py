@@ -115,6 +115,11 @@ def test_from_run_reads_summary_config_and_the_plain_eval(tmp_path):
     n = results.from_run(run, setting="--precision 32")["numbers"]
     assert (n["model"], n["budget"], n["seed"], n["steps"], n["test_top1"], n["tta"], n["test_top1_plain"]) == \
         ("hybrid_tiny", "00:00:10:00", 1, 1630, 0.8789, True, 0.8701)
+    timed = results.from_run(run, setting="--precision 32")
+    assert "--max-time 00:00:10:00 --seed 1 --precision 32" in timed["command"]
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": "hybrid_tiny", "epochs": 12, "seed": 0}))
+    untimed = results.from_run(run)
+    assert untimed["numbers"]["budget"] == "12 epochs" and "--epochs 12" in untimed["command"]
     with pytest.raises(ResultError, match="not a finished run"):
         results.from_run(tmp_path / "missing")
 

@@ -60,7 +60,11 @@ def table(header: Iterable[str], rows: Iterable[Iterable]) -> list[str]:
 
 
 def minutes(budget: str) -> float:
-    days, hours, mins, secs = (int(p) for p in budget.split(":"))
+    """A DD:HH:MM:SS budget in minutes; another budget ("12 epochs") sorts after every timed one."""
+    parts = budget.split(":")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        return float("inf")
+    days, hours, mins, secs = (int(p) for p in parts)
     return days * 1440 + hours * 60 + mins + secs / 60
 
 
@@ -124,6 +128,10 @@ def _train_groups(results: list[dict]) -> dict[tuple, list[dict]]:
                                                               kv[0][2], kv[0][3]))}
 
 
+def _budget(budget: str) -> str:
+    return f"{minutes(budget):g} min" if minutes(budget) < float("inf") else budget
+
+
 def _accuracy_rows(groups: dict[tuple, list[dict]], notes: Notes, with_budget: bool) -> list[list]:
     rows = []
     for (model, budget, machine, setting), runs in groups.items():
@@ -134,7 +142,7 @@ def _accuracy_rows(groups: dict[tuple, list[dict]], notes: Notes, with_budget: b
         cell = (lambda v: ", ".join(num(x) for x in v) + (f"; {mean_sd(v, False)}" if len(v) > 1 else "") if v else "—")
         odd = [r["command"] for r in runs if r["command"] != standard_command(r["numbers"])]
         refs = notes.cite(*dict.fromkeys([*(f"`{c}`" for c in odd), *(r.get("note") for r in runs)]))
-        rows.append([f"`{model}`", *([f"{minutes(budget):g} min"] if with_budget else []), f"`{machine}`",
+        rows.append([f"`{model}`", *([_budget(budget)] if with_budget else []), f"`{machine}`",
                      f"`{setting}`" if setting else "", runs[0]["numbers"]["precision"],
                      ", ".join(str(r["numbers"]["seed"]) for r in runs),
                      num(round(statistics.mean(r["numbers"]["steps"] for r in runs))),

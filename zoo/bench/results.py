@@ -210,7 +210,8 @@ def read_all(folder: str | Path) -> list[dict]:
 def from_run(run_dir: str | Path, *, setting: str = "", command: str | None = None) -> dict:
     """A ``train`` record of a finished training run, from its summary.json and config.yaml (and, when it has
     one, ``eval/metrics.json``: the same weights without TTA). ``setting`` names the command's overrides beyond
-    ``--model M --config configs/cpu_budget.yaml --max-time T`` ("" for none)."""
+    ``--model M --config configs/cpu_budget.yaml --max-time T`` ("" for none); the budget is the run's
+    ``max_time``, or its epochs when it had none."""
     import yaml
 
     run_dir = Path(run_dir)
@@ -219,7 +220,8 @@ def from_run(run_dir: str | Path, *, setting: str = "", command: str | None = No
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except (OSError, json.JSONDecodeError, yaml.YAMLError) as e:
         raise ResultError(f"{run_dir}: not a finished run ({e})") from None
-    numbers = {"model": summary.get("model", config.get("model")), "budget": config.get("max_time") or "",
+    numbers = {"model": summary.get("model", config.get("model")),
+               "budget": config.get("max_time") or f"{config.get('epochs')} epochs",
                "epochs": summary.get("epochs"),
                "setting": setting, "precision": summary["precision"], "seed": config.get("seed", 0),
                "steps": summary["global_step"], "train_images_per_s": summary["train_images_per_s"],
@@ -228,8 +230,9 @@ def from_run(run_dir: str | Path, *, setting: str = "", command: str | None = No
     plain = run_dir / "eval" / "metrics.json"
     if plain.is_file():
         numbers["test_top1_plain"] = json.loads(plain.read_text())["test_top1"]
+    length = f"--max-time {config['max_time']}" if config.get("max_time") else f"--epochs {config.get('epochs')}"
     command = command or (f"python train.py --model {numbers['model']} --config configs/cpu_budget.yaml "
-                          f"--data-dir DATA --max-time {numbers['budget']} --seed {numbers['seed']} {setting}").strip()
+                          f"--data-dir DATA {length} --seed {numbers['seed']} {setting}").strip()
     return make("train", f"{numbers['model']}, {numbers['budget']} of training", command, numbers)
 
 
