@@ -27,7 +27,7 @@ def vit_forward_flops(img: int, patch: int, dim: int, depth: int, mlp_ratio: int
 
 
 def test_hand_flop_count_matches_the_published_vit_tiny_figure():
-    assert vit_forward_flops(32, 4, 192, 12, 4, 10) == 730_215_168  # BENCHMARKS.md, vit_tiny
+    assert vit_forward_flops(32, 4, 192, 12, 4, 10) == 730_215_168  # results/ model_info, vit_tiny
 
 
 def test_attention_candidates_share_weights_and_agree():
