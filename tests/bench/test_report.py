@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import zoo
-from zoo.bench import report, results
+from zoo.bench import report, report_tables, results
 
 REPO = Path(__file__).resolve().parents[2]
 USER_TEXT = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "CONTRIBUTING.md",
@@ -124,14 +124,14 @@ def test_an_untimed_run_sorts_last_and_shows_its_epochs():
         return {"kind": "train", "machine": {"id": "m"}, "command": "c", "numbers": {
             "model": "vit_nano", "budget": budget, "setting": "", "precision": "32", "seed": 0, "steps": 1,
             "train_images_per_s": 1.0, "test_top1": 0.5, "tta": False}}
-    lines = report.accuracy_section([run("12 epochs"), run("00:01:00:00")])
+    lines = report_tables.accuracy_section([run("12 epochs"), run("00:01:00:00")])
     rows = [line for line in lines if line.startswith("| `vit_nano`")]
     assert rows[0].startswith("| `vit_nano` | 60 min |") and rows[1].startswith("| `vit_nano` | 12 epochs |")
 
 
 def test_mean_sd_is_the_sample_sd():
-    assert report.mean_sd([0.8411, 0.8611, 0.8622]) == "0.855 ± 0.012 (n=3)"   # sd 0.01188 by hand
-    assert report.mean_sd([0.736]) == "0.736 (n=1)"
+    assert report_tables.mean_sd([0.8411, 0.8611, 0.8622]) == "0.855 ± 0.012 (n=3)"   # sd 0.01188 by hand
+    assert report_tables.mean_sd([0.736]) == "0.736 (n=1)"
 
 
 def test_front_door_shape():

@@ -94,9 +94,14 @@ def _git_commit() -> str | None:
 
 def versions() -> dict:
     """python, torch, timm, lightning and zoo versions (zoo's with the git commit when in a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import timm
 
-    from .. import __version__
+    try:
+        zoo_version = version("zoo")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        zoo_version = "unknown"
     try:
         import lightning
         lightning_version = lightning.__version__
@@ -104,7 +109,7 @@ def versions() -> dict:
         lightning_version = None
     commit = _git_commit()
     return {"python": platform.python_version(), "torch": torch.__version__, "timm": timm.__version__,
-            "lightning": lightning_version, "zoo": f"{__version__} (git {commit})" if commit else __version__}
+            "lightning": lightning_version, "zoo": f"{zoo_version} (git {commit})" if commit else zoo_version}
 
 
 def command_line(module: str, argv=None) -> str:

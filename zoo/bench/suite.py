@@ -341,33 +341,6 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def results_record(found: dict, command: str) -> dict:
-    """The suite's results (``run_suite``) as a ``zoo.bench.results`` "suite" record, in the report's fields."""
-    from . import results
-
-    model, mfu = found["models"][0], found["mfu"][0]
-    precision = model["precision"]
-    numbers = {
-        "attention_op": [{"n": r["n"], "zoo_ms": r["zoo_ms"], "timm_ms": r["timm_ms"], "floor_ms": r["floor_ms"]}
-                         for r in found["attention_op"]],
-        "attention_op_setting": f"forward + backward, B=32, 3 heads, head dim 64, precision {precision}",
-        "whole_model": [{"mode": f"training (batch {model['train_batch']}, forward + backward + AdamW)",
-                         "zoo": model["zoo_train_img_s"], "timm": model["timm_train_img_s"]},
-                        {"mode": f"inference (batch {model['infer_batch']})", "zoo": model["zoo_infer_img_s"],
-                         "timm": model["timm_infer_img_s"]}],
-        "whole_model_setting": f"{model['model']} against timm's VisionTransformer of the same configuration, "
-                               f"precision {precision}, images/s",
-        "memory": [{"backend": r["backend"], "inference_mib": r["inference_mb"], "train_mib": r["backward_mb"]}
-                   for r in found["memory"]],
-        "memory_setting": f"peak memory of one attention call, B=1, 3 heads, head dim 64, N={found['memory'][0]['n']}",
-        "training_images_per_s": {r["model"]: r["train_img_s"] for r in found["training_speed"]},
-        "mfu": {"model": mfu["model"], "achieved_gflops": mfu["achieved_gflops"],
-                "gemm_gflops": mfu["gemm_peak_gflops"], "mfu": mfu["mfu"]},
-        "pipeline_images_per_s": found["pipeline"]["img_s"]}
-    return results.make("suite", "Attention and whole models against timm and the bare-torch floor", command,
-                        numbers)
-
-
 def run_suite(out: str | Path, data_dir: str | None = None, quick: bool = False, device=None) -> dict:
     """Run every benchmark, write OUT/bench.json and OUT/bench.md, return the results. ``quick``: smaller
     sizes and fewer repeats (a smoke run of the suite itself, not numbers to report)."""
