@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from zoo.bench import report_tables
+from zoo.bench.gpu_check import suite_record
 from zoo.bench.suite import attention_candidates, baseline_vit, run_suite, timm_vit_like
 from zoo.models import create_model
 
@@ -26,7 +28,7 @@ def vit_forward_flops(img: int, patch: int, dim: int, depth: int, mlp_ratio: int
 
 
 def test_hand_flop_count_matches_the_published_vit_tiny_figure():
-    assert vit_forward_flops(32, 4, 192, 12, 4, 10) == 730_215_168  # BENCHMARKS.md, vit_tiny
+    assert vit_forward_flops(32, 4, 192, 12, 4, 10) == 730_215_168  # results/ model_info, vit_tiny
 
 
 def test_attention_candidates_share_weights_and_agree():
@@ -92,3 +94,10 @@ def test_quick_suite_writes_every_section_and_memory_claims_hold(cifar_dir, tmp_
     assert [claims[c]["measured"] for c in gpu_only] == [None]  # the CPU's RSS cannot resolve it
     assert all(positive(row["measured"]) for c, row in claims.items() if c not in gpu_only)
     assert any("hybrid_tiny" in c for c in claims)
+
+    record = suite_record(saved, "python eval.py --bench-suite --out OUT")   # as results/ and the report take it
+    numbers = record["numbers"]
+    assert numbers["attention_op"][0] == {k: op[k] for k in ("n", "zoo_ms", "timm_ms", "floor_ms")}
+    assert [r["zoo"] for r in numbers["whole_model"]] == [model["zoo_train_img_s"], model["zoo_infer_img_s"]]
+    assert numbers["mfu"]["mfu"] == mfu["mfu"] and numbers["pipeline_images_per_s"] == saved["pipeline"]["img_s"]
+    assert "| 33 |" in "\n".join(report_tables.suite_section([record]))

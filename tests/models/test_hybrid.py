@@ -120,7 +120,7 @@ def test_learns_a_small_batch():
 def test_hybrid_tiny_costs_less_than_the_vits():
     """FLOPs per image below the issue's CPU baseline ViT (width 192, depth 6, patch 4) and under half of
     ``vit_tiny``'s. The speed claim itself is a timing: ``python eval.py --bench-suite`` measures it
-    (zoo.bench.suite.bench_hybrid_vs_vit) and BENCHMARKS.md reports it."""
+    (zoo.bench.suite.bench_hybrid_vs_vit)."""
     hybrid = zoo.model_info(zoo.create_model("hybrid_tiny"))["flops"]
     assert hybrid < zoo.model_info(baseline_vit(), input_size=(3, 32, 32))["flops"]
     assert hybrid < 0.5 * zoo.model_info(zoo.create_model("vit_tiny"))["flops"]

@@ -6,7 +6,7 @@ that size and features_only maps; token models (``pool_size`` None: ViT, hybrid;
 (B, N, C) tokens and get their features_only maps from ``forward_intermediates`` (timm's FeatureGetterNet).
 Then torch.fx (plain ``symbolic_trace`` and torchvision's ``create_feature_extractor`` with timm's leaf lists,
 as timm's FX tests build it) must reproduce eager outputs bit for bit with every parameter, and torch.export
-within 1e-5. TorchScript is not a goal (README)."""
+within 1e-5. TorchScript is not a goal (docs/models.md)."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from ..atomic import atomic_write, atomic_write_csv
+from . import results
 
 # name -> the --set overrides that make it from the recipe; "recipe" is the recipe itself.
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="configs/cpu_budget.yaml")
     p.add_argument("--max-time", default="00:00:10:00")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override of every variant")
+    p.add_argument("--results", metavar="DIR", help="also record each run in DIR (results/) for the report")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     table = args.out / "ablation.csv"
@@ -129,6 +131,11 @@ def main(argv=None) -> int:
             if any(r["variant"] == variant and r["seed"] == seed for r in rows):
                 continue
             rows.append(run_one(variant, seed, args))
+            if args.results:  # the run's summary.json (and eval/metrics.json) as a results file
+                setting = " ".join(f"--set {o}" for o in (*args.set, *VARIANTS[variant]))
+                print(results.write(results.from_run(rows[-1]["run_dir"], setting=setting,
+                                                     command=results.command_line("zoo.bench.ablation", argv)),
+                                    args.results))
             atomic_write_csv(table, FIELDS, rows)  # rewritten whole after each run: a stop loses no row
             atomic_write(args.out / "ablation.md", lambda f: f.write(ablation_table(rows).encode()))
             print(f"{variant} seed {seed}: test top-1 {rows[-1]['test_top1_tta']:.4f} (TTA), "

@@ -183,18 +183,65 @@ def _suite_summary(results: dict) -> dict:
             "gemm_peak_tflops": mfu["gemm_peak_gflops"] / 1e3}
 
 
+def suite_record(found: dict, command: str) -> dict:
+    """The suite's results (``run_suite``) as a ``zoo.bench.results`` "suite" record, in the report's fields."""
+    from . import results
+
+    model, mfu = found["models"][0], found["mfu"][0]
+    precision = model["precision"]
+    numbers = {
+        "attention_op": [{"n": r["n"], "zoo_ms": r["zoo_ms"], "timm_ms": r["timm_ms"], "floor_ms": r["floor_ms"]}
+                         for r in found["attention_op"]],
+        "attention_op_setting": f"forward + backward, B=32, 3 heads, head dim 64, precision {precision}",
+        "whole_model": [{"mode": f"training (batch {model['train_batch']}, forward + backward + AdamW)",
+                         "zoo": model["zoo_train_img_s"], "timm": model["timm_train_img_s"]},
+                        {"mode": f"inference (batch {model['infer_batch']})", "zoo": model["zoo_infer_img_s"],
+                         "timm": model["timm_infer_img_s"]}],
+        "whole_model_setting": f"{model['model']} against timm's VisionTransformer of the same configuration, "
+                               f"precision {precision}, images/s",
+        "memory": [{"backend": r["backend"], "inference_mib": r["inference_mb"], "train_mib": r["backward_mb"]}
+                   for r in found["memory"]],
+        "memory_setting": f"peak memory of one attention call, B=1, 3 heads, head dim 64, N={found['memory'][0]['n']}",
+        "training_images_per_s": {r["model"]: r["train_img_s"] for r in found["training_speed"]},
+        "mfu": {"model": mfu["model"], "achieved_gflops": mfu["achieved_gflops"],
+                "gemm_gflops": mfu["gemm_peak_gflops"], "mfu": mfu["mfu"]},
+        "pipeline_images_per_s": found["pipeline"]["img_s"]}
+    return results.make("suite", "Attention and whole models against timm and the bare-torch floor", command,
+                        numbers)
+
+
+def results_records(report: dict, out: Path, command: str) -> list[dict]:
+    """The check's measurements as ``zoo.bench.results`` records: a "gpu" record of every step's scalar results
+    (one row each) and, when the suite ran, its "suite" record."""
+    from . import results
+
+    rows = [{"step": step, "measure": key, "value": value} for step, found in report.items()
+            if isinstance(found, dict) and found.get("ok") and step != "environment"
+            for key, value in found.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    records = [results.make("gpu", "The prepared GPU check", command, {"rows": rows})] if rows else []
+    if report.get("suite", {}).get("ok"):
+        records.append(suite_record(json.loads((out / "suite" / "bench.json").read_text()), command))
+    return records
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", help="CIFAR-10 (image folders or cifar-10-batches-py)")
     p.add_argument("--out", required=True, help="folder for the report, the runs and the logs")
     p.add_argument("--dry-run", action="store_true", help="every step at tiny sizes, no timings (any device)")
     p.add_argument("--skip", nargs="*", default=[], choices=STEPS, help="steps to leave out")
+    p.add_argument("--results", metavar="DIR", help="also record the measurements in DIR (results/) for the report")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU is visible; use --dry-run to check the steps on this machine", file=sys.stderr)
         return 2
     report = run_check(args.out, args.data_dir, args.dry_run, args.skip)
     print(Path(args.out) / "gpu_check.md")
+    if args.results and not args.dry_run:  # a dry run's sizes are not numbers to report
+        from . import results
+
+        for record in results_records(report, Path(args.out), results.command_line("zoo.bench.gpu_check", argv)):
+            print(results.write(record, args.results))
     return 0 if all(r["ok"] for r in report.values() if isinstance(r, dict)) else 1
 
 

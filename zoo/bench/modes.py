@@ -27,6 +27,8 @@ from ..models import compile_regions, create_model
 from ..train.device import cpu_has_native_bf16, machine_name, resolve_muon_dtype
 from ..train.optim import OPTIMIZERS, build_optimizer, param_groups
 from ..train.probes import optimizer_step_seconds
+from . import results
+from .results import command_line
 from .timing import interleaved_medians, measure_inference, print_result, training_step
 
 MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled",
@@ -134,6 +136,28 @@ def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch:
     return rows
 
 
+def results_records(rows: list[dict], optimizer_rows: list[dict], command: str) -> list[dict]:
+    """``zoo.bench.results`` records of a run of this command: a "modes" record (per model, images/s per mode
+    and for inference) and, with optimizer rows, an "optimizer_cost" record (per model and precision, each
+    optimizer's step speed against AdamW's)."""
+    renamed = [{"model": r["model"], "batch": r["batch"], "inference_fp32": r["infer_img_s"],
+                "inference_bf16_mixed": r["infer_bf16_mixed_img_s"],
+                **{k.removesuffix("_img_s"): v for k, v in r.items() if k.endswith("_img_s") and not
+                   k.startswith("infer")}, **{k: v for k, v in r.items() if k.endswith(("_compile_s", "_vs_fp32"))}}
+               for r in rows]
+    records = [results.make("modes", "Training and inference images/s per way of running", command,
+                            {"rows": renamed})]
+    pivot: dict[tuple, dict] = {}
+    for r in optimizer_rows:
+        key = (r["model"], r["precision"], r["muon_dtype"])
+        pivot.setdefault(key, {"model": key[0], "precision": key[1], "muon_dtype": key[2]})[
+            f"{r['optimizer']}_vs_adamw"] = r["vs_adamw"]
+    if pivot:
+        records.append(results.make("optimizer_cost", "A training step with each optimizer against AdamW", command,
+                                    {"rows": list(pivot.values())}))
+    return records
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["hybrid_tiny", "vit_tiny"], help="registered model names")
@@ -144,6 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--optimizers", nargs="*", choices=OPTIMIZERS, default=["adamw", "muon", "muon_conv"],
                    help="optimizers whose step's share of a training step to measure (none: skip)")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--results", metavar="DIR", help="also record the measurement in DIR (results/) for the report")
     args = p.parse_args(argv)
     rows = bench_modes(args.models, args.batch, args.repeats, ("fp32", *(m for m in args.modes if m != "fp32")))
     optimizer_rows = [row for name in args.models if args.optimizers
@@ -151,6 +176,9 @@ def main(argv=None) -> int:
     result = {"machine": machine_name(), "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": rows, "optimizer_rows": optimizer_rows}
     print_result(result, args.out)
+    if args.results:
+        for record in results_records(rows, optimizer_rows, command_line("zoo.bench.modes", argv)):
+            print(results.write(record, args.results))
     return 0
 
 

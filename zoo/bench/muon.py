@@ -16,6 +16,8 @@ import torch
 from ..models import create_model
 from ..train.device import interleaved_medians, machine_name
 from ..train.optim import FilterMuon, muon_split, param_groups
+from . import results
+from .results import command_line
 from .timing import print_result
 
 
@@ -59,10 +61,15 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=["vit_tiny"], help="registered model names")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--results", metavar="DIR", help="also record the measurement in DIR (results/) for the report")
     args = p.parse_args(argv)
     result = {"machine": machine_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows": [bench_muon(name, args.repeats) for name in args.models]}
     print_result(result, args.out)
+    if args.results:
+        record = results.make("muon", "One Muon step over a model's matrices: torch's loop against the zoo's batched "
+                              "iteration", command_line("zoo.bench.muon", argv), {"rows": result["rows"]})
+        print(results.write(record, args.results))
     return 0
 
 

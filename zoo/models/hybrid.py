@@ -190,7 +190,7 @@ class HybridNet(TokenFeatures, nn.Module):
 def hybrid_tiny(**kwargs) -> HybridNet:
     """Whitening stem, conv groups of width 64, 256 and 256 (airbench94's widths, each group with CBAM) to the 4x4
     grid, 2 blocks of width 256, 8 heads, MLP ratio 2: 3.0M parameters. Chosen for test accuracy after 10 and 60
-    minutes of 2-core CPU training (BENCHMARKS.md round eight)."""
+    minutes of 2-core CPU training (BENCHMARKS.md)."""
     return HybridNet(**{**dict(stem_chs=(64, 256), embed_dim=256, depth=2, num_heads=8, mlp_ratio=2.0), **kwargs})
 
 

@@ -2,7 +2,8 @@
 compilation"): ``torch.compile`` each repeated block of a model in place instead of the whole model. The blocks
 of one class share their compiled code, so the compile costs seconds, and inductor fuses the element-wise chains
 that dominate these blocks on a CPU (CBAM's pooling, gates and products; LayerNorm, GELU and the residual adds
-of a transformer block) while the convolutions between them stay eager. BENCHMARKS.md round eight measures it.
+of a transformer block) while the convolutions between them stay eager. BENCHMARKS.md's throughput tables
+measure it ("regions").
 
 The parameter names do not change (``Module.compile`` compiles the call, not a wrapper), so checkpoints and
 state_dicts are those of the eager model; ``copy.deepcopy`` gives an eager copy."""

@@ -1,0 +1,159 @@
+"""BENCHMARKS.md and README's results table cannot drift from results/: the committed files equal a fresh
+rendering, README's table read back cell by cell agrees with the files (means and sds computed here by hand),
+the parameter counts in results/ agree with a live count, and ``--check`` notices a changed measurement. Also the
+front door's shape: README's length, its one test command (the one CI runs), the figure's size, and no machine
+paths or lab-notebook wording in user-facing text."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import zoo
+from zoo.bench import report, report_tables, results
+
+REPO = Path(__file__).resolve().parents[2]
+USER_TEXT = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "CONTRIBUTING.md",
+             *sorted((REPO / "docs").glob("*.md"))]
+
+
+@pytest.fixture(scope="module")
+def committed() -> list[dict]:
+    return results.read_all(REPO / "results")
+
+
+def test_benchmarks_md_is_the_rendering_of_results(committed):
+    assert (REPO / "BENCHMARKS.md").read_text() == report.render_benchmarks(committed), \
+        "BENCHMARKS.md is out of date: run python -m zoo.bench.report"
+
+
+def test_readme_table_is_the_rendering_of_results(committed):
+    readme = (REPO / "README.md").read_text()
+    assert report.replace_readme_table(readme, report.readme_table(committed)) == readme, \
+        "README's results table is out of date: run python -m zoo.bench.report"
+
+
+def readme_rows() -> dict[str, list[str]]:
+    text = (REPO / "README.md").read_text()
+    body = text[text.index(report.README_BEGIN):text.index(report.README_END)]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in body.splitlines() if line.startswith("| `")]
+    return {row[0].strip("`"): row[1:] for row in rows}
+
+
+def test_readme_table_agrees_with_the_files_cell_by_cell(committed):
+    rows = readme_rows()
+    assert {"hybrid_tiny", "vit_nano"} <= set(rows), "README's table lacks the shipped models"
+    machine = report.README_MACHINE
+    for model, (params, flops, ten, shipped, speed) in rows.items():
+        counts = [row for r in committed if r["kind"] == "model_info" for row in r["numbers"]["rows"]
+                  if row["model"] == model]
+        assert counts and math.isclose(float(params.split()[0]), counts[0]["params"] / 1e6, abs_tol=0.005)
+        assert math.isclose(float(flops.split()[0].replace(",", "")), counts[0]["flops"] / 1e6, abs_tol=0.5)
+        runs = [r["numbers"]["test_top1"] for r in committed if r["kind"] == "train"
+                and r["machine"]["id"] == machine and r["numbers"]["model"] == model
+                and r["numbers"]["budget"] == "00:00:10:00" and r["numbers"]["setting"] in ("", "--set tta=0")
+                and not r["numbers"].get("superseded_recipe")]
+        if runs:
+            numbers = [float(x) for x in re.findall(r"\d+\.\d+", ten)]
+            mean = sum(runs) / len(runs)
+            assert math.isclose(numbers[0], mean, abs_tol=0.0005), (model, ten, runs)
+            if len(runs) > 1:
+                sd = math.sqrt(sum((x - mean) ** 2 for x in runs) / (len(runs) - 1))
+                assert math.isclose(numbers[1], sd, abs_tol=0.0005), (model, ten, runs)
+            assert f"n={len(runs)}" in ten
+        else:
+            assert ten == "—", (model, ten)
+        card = [r["numbers"] for r in committed if r["kind"] == "shipped" and r["numbers"]["model"] == model]
+        if card:
+            assert shipped == f"{card[0]['test_top1']} ({card[0]['test_top1_tta']})"
+            weights = json.loads((REPO / "zoo" / "weights" / model / "config.json").read_text())["model_card"]
+            assert (weights["test_top1"], weights["test_top1_tta"]) == (card[0]["test_top1"], card[0]["test_top1_tta"])
+        else:
+            assert shipped == "—"
+        timed = sorted(((r["date"], row) for r in committed if r["kind"] == "modes" and r["machine"]["id"] == machine
+                        for row in r["numbers"]["rows"] if row["model"] == model), key=lambda t: t[0])
+        if timed:   # the newest measurement of the model on that machine
+            newest = timed[-1][1]
+            assert [float(x) for x in speed.split(" / ")] == [newest["fp32"], newest["inference_fp32"]]
+        else:
+            assert speed == "—"
+
+
+@pytest.mark.parametrize("name", ["hybrid_tiny", "vit_nano"])
+def test_parameter_counts_in_results_match_a_live_count(committed, name):
+    (row,) = [row for r in committed if r["kind"] == "model_info" for row in r["numbers"]["rows"]
+              if row["model"] == name]
+    info = zoo.model_info(zoo.create_model(name))
+    assert (row["params"], row["flops"]) == (info["params"], info["flops"])
+
+
+def test_check_notices_a_changed_measurement(tmp_path, capsys):
+    folder = tmp_path / "results"
+    shutil.copytree(REPO / "results", folder)
+    for name in ("BENCHMARKS.md", "README.md"):
+        shutil.copy2(REPO / name, tmp_path / name)
+    args = ["--results", str(folder), "--benchmarks", str(tmp_path / "BENCHMARKS.md"),
+            "--readme", str(tmp_path / "README.md")]
+    assert report.main([*args, "--check"]) == 0
+    shipped = next(p for p in folder.glob("*_shipped_*hybrid_tiny*.json"))
+    data = json.loads(shipped.read_text())
+    data["numbers"]["test_top1"] = 0.5
+    shipped.write_text(json.dumps(data))
+    assert report.main([*args, "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "BENCHMARKS.md is out of date" in err and "README.md is out of date" in err
+    assert report.main(args) == 0 and report.main([*args, "--check"]) == 0   # rewritten, in sync again
+    assert "| `hybrid_tiny` | 3.05 M | 327 M |" in (tmp_path / "README.md").read_text()
+    assert "0.5 (0.9103)" in (tmp_path / "README.md").read_text()
+
+
+def test_a_readme_without_markers_is_an_error(tmp_path, capsys):
+    (tmp_path / "README.md").write_text("# no table\n")
+    assert report.main(["--results", str(REPO / "results"), "--benchmarks", str(tmp_path / "B.md"),
+                        "--readme", str(tmp_path / "README.md")]) == 2
+    assert "no results table markers" in capsys.readouterr().err
+
+
+def test_an_untimed_run_sorts_last_and_shows_its_epochs():
+    def run(budget):
+        return {"kind": "train", "machine": {"id": "m"}, "command": "c", "numbers": {
+            "model": "vit_nano", "budget": budget, "setting": "", "precision": "32", "seed": 0, "steps": 1,
+            "train_images_per_s": 1.0, "test_top1": 0.5, "tta": False}}
+    lines = report_tables.accuracy_section([run("12 epochs"), run("00:01:00:00")])
+    rows = [line for line in lines if line.startswith("| `vit_nano`")]
+    assert rows[0].startswith("| `vit_nano` | 60 min |") and rows[1].startswith("| `vit_nano` | 12 epochs |")
+
+
+def test_mean_sd_is_the_sample_sd():
+    assert report_tables.mean_sd([0.8411, 0.8611, 0.8622]) == "0.855 ± 0.012 (n=3)"   # sd 0.01188 by hand
+    assert report_tables.mean_sd([0.736]) == "0.736 (n=1)"
+
+
+def test_front_door_shape():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 120
+    assert len((REPO / "BENCHMARKS.md").read_text().splitlines()) <= 260
+    figure = REPO / "docs" / "figure.png"
+    assert "](docs/figure.png)" in readme and figure.stat().st_size < 400_000
+    assert "python -m zoo.explain.readme_figure" in readme   # the command that redraws it
+    tests = [line.strip() for line in readme.splitlines() if line.strip().startswith("python -m pytest")]
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("python -m pytest")]
+    assert tests == ["python -m pytest"] and ci == tests   # one test command, the one CI runs
+    assert "https://download.pytorch.org/whl/cpu" in readme
+    for path in (REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))):
+        for link in re.findall(r"\]\(([^)#:]+)\)", path.read_text()):   # relative links lead somewhere
+            assert (path.parent / link).exists(), f"{path.name}: {link}"
+
+
+@pytest.mark.parametrize("path", USER_TEXT, ids=lambda p: p.name)
+def test_user_text_has_no_machine_paths_or_notebook_words(path):
+    text = path.read_text()
+    for pattern in (r"\.\./shared", r"/work/", r"\bround (one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
+                    r"twelve|\d+)\b", r"\bsession\b", r"\bissue\b"):
+        assert not re.search(pattern, text, re.IGNORECASE), f"{path.name}: {pattern}"

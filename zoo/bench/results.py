@@ -1,0 +1,262 @@
+"""Measurements as data: one JSON file per measurement under ``results/``, which ``python -m zoo.bench.report``
+renders into BENCHMARKS.md and README's results table.
+
+A file holds ``kind`` (one of ``KINDS``), ``title``, ``machine`` (``machine_facts()``: an ``id`` that groups
+measurements of one machine, the CPU's name, vendor, family / model, the flags that decide bf16 speed, cores,
+memory, GPU), ``command`` (what to run to measure it again), ``versions`` (python, torch, timm, lightning, zoo),
+``date`` (YYYY-MM-DD) and ``numbers`` (the kind's fields, ``REQUIRED``), optionally ``note``. ``write`` refuses
+a file that ``validate`` finds wrong; ``read`` / ``read_all`` validate what they load.
+
+    python -m zoo.bench.results RUN_DIR [RUN_DIR ...] --out results   # a training run's summary.json as a file
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..atomic import atomic_write
+
+KINDS = ("train", "shipped", "model_info", "modes", "optimizer_cost", "muon", "suite", "sparse", "faithfulness",
+         "gpu")
+# The fields each kind's ``numbers`` must have; a kind measured as a table has ``rows``.
+REQUIRED = {
+    "train": ("model", "budget", "setting", "precision", "seed", "steps", "train_images_per_s", "test_top1", "tta"),
+    "shipped": ("model", "test_top1", "test_top1_tta", "test_images"),
+    "model_info": ("rows",), "modes": ("rows",), "optimizer_cost": ("rows",), "muon": ("rows",),
+    "suite": ("attention_op", "whole_model"), "sparse": ("rows", "claims"), "faithfulness": ("rows",),
+    "gpu": ("rows",),
+}
+MACHINE_FIELDS = ("id", "cpu", "vendor", "family", "model", "flags", "cores", "memory_gib", "gpu")
+VERSION_FIELDS = ("python", "torch", "timm", "lightning", "zoo")
+FLAGS = ("avx512_bf16", "amx")  # what decides whether bf16 is native on a CPU
+
+
+class ResultError(ValueError):
+    """A results file that is not one (names the file and what is wrong)."""
+
+
+def _cpuinfo_fields(text: str) -> dict[str, str]:
+    """The first processor's ``key: value`` lines of /proc/cpuinfo."""
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def machine_facts(cpuinfo: str | None = None, meminfo: str | None = None) -> dict:
+    """This machine as a results file records it, from /proc/cpuinfo and /proc/meminfo (or the texts given) and
+    torch. ``id`` is ``<vendor>-f<family>-m<model>`` (plus ``-<gpu>`` with one), so runs on one kind of machine
+    group together."""
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    if meminfo is None:
+        meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
+    info = _cpuinfo_fields(cpuinfo)
+    flags = set(info.get("flags", "").split())
+    vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(info.get("vendor_id", ""),
+                                                                  info.get("vendor_id", platform.machine()).lower())
+    family = int(info["cpu family"]) if info.get("cpu family", "").isdigit() else None
+    model = int(info["model"]) if info.get("model", "").isdigit() else None
+    mem = re.search(r"MemTotal:\s+(\d+) kB", meminfo)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    ident = f"{vendor}-f{family}-m{model}" + (f"-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}" if gpu else "")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"id": ident, "cpu": info.get("model name", platform.processor() or platform.machine()),
+            "vendor": vendor, "family": family, "model": model,
+            "flags": {"avx512_bf16": "avx512_bf16" in flags, "amx": bool({"amx_bf16", "amx_tile"} & flags)},
+            "cores": cores, "threads": torch.get_num_threads(),
+            "memory_gib": round(int(mem.group(1)) / 2**20) if mem else None, "gpu": gpu}
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent)
+    except OSError:
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def versions() -> dict:
+    """python, torch, timm, lightning and zoo versions (zoo's with the git commit when in a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import timm
+
+    try:
+        zoo_version = version("zoo")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        zoo_version = "unknown"
+    try:
+        import lightning
+        lightning_version = lightning.__version__
+    except ImportError:
+        lightning_version = None
+    commit = _git_commit()
+    return {"python": platform.python_version(), "torch": torch.__version__, "timm": timm.__version__,
+            "lightning": lightning_version, "zoo": f"{zoo_version} (git {commit})" if commit else zoo_version}
+
+
+def command_line(module: str, argv=None) -> str:
+    """How this command was run, for a record: ``python -m MODULE ARGS`` (``argv`` or the process's arguments),
+    each argument quoted only where the shell needs it."""
+    import shlex
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("ZOO_NATIVE_BF16",) if k in os.environ)
+    return " ".join(x for x in (env, f"python -m {module}", shlex.join(str(a) for a in args)) if x)
+
+
+def validate(result: dict, where: str = "result") -> dict:
+    """``result`` if it is a well-formed results record, else ResultError naming ``where`` and the problem."""
+    if not isinstance(result, dict):
+        raise ResultError(f"{where}: expected a JSON object, got {type(result).__name__}")
+    missing = [k for k in ("kind", "title", "machine", "command", "versions", "date", "numbers") if k not in result]
+    if missing:
+        raise ResultError(f"{where}: missing {', '.join(missing)}")
+    if result["kind"] not in KINDS:
+        raise ResultError(f"{where}: kind must be one of {', '.join(KINDS)}, got {result['kind']!r}")
+    for name, fields in (("machine", MACHINE_FIELDS), ("versions", VERSION_FIELDS)):
+        lacking = [k for k in fields if not isinstance(result[name], dict) or k not in result[name]]
+        if lacking:
+            raise ResultError(f"{where}: {name} lacks {', '.join(lacking)}")
+    flags = result["machine"]["flags"]
+    if not isinstance(flags, dict) or set(flags) != set(FLAGS):
+        raise ResultError(f"{where}: machine.flags must have exactly {', '.join(FLAGS)}")
+    try:
+        datetime.date.fromisoformat(str(result["date"]))
+    except ValueError:
+        raise ResultError(f"{where}: date must be YYYY-MM-DD, got {result['date']!r}") from None
+    if not str(result["command"]).strip():
+        raise ResultError(f"{where}: command is empty")
+    numbers = result["numbers"]
+    lacking = [k for k in REQUIRED[result["kind"]] if not isinstance(numbers, dict) or k not in numbers]
+    if lacking:
+        raise ResultError(f"{where}: numbers of a {result['kind']} result lack {', '.join(lacking)}")
+    if "rows" in numbers and (not isinstance(numbers["rows"], list) or not numbers["rows"]):
+        raise ResultError(f"{where}: numbers.rows must be a non-empty list")
+    return result
+
+
+def make(kind: str, title: str, command: str, numbers: dict, *, note: str | None = None,
+         machine: dict | None = None, date: str | None = None) -> dict:
+    """A validated record of a measurement made now, on this machine (or the ``machine`` / ``date`` given)."""
+    result = {"kind": kind, "title": title, "machine": machine or machine_facts(), "command": command,
+              "versions": versions(), "date": date or datetime.date.today().isoformat(), "numbers": numbers}
+    if note:
+        result["note"] = note
+    return validate(result)
+
+
+def _minutes(budget: str) -> str:
+    """"00:01:40:00" -> "100min" (DD:HH:MM:SS); anything else as it is."""
+    parts = budget.split(":")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        return budget
+    days, hours, minutes, seconds = (int(p) for p in parts)
+    return f"{days * 1440 + hours * 60 + minutes + seconds / 60:g}min"
+
+
+def file_name(result: dict) -> str:
+    """``<date>_<kind>_<machine id>[_<model>-<budget>-<setting>-s<seed>].json`` (the part in brackets for a
+    train or shipped result), safe as a file name."""
+    n, what = result["numbers"], ""
+    if result["kind"] in ("train", "shipped"):
+        what = "-".join(str(x) for x in (n["model"], _minutes(n.get("budget", "")), n.get("setting", "")[:48],
+                                         f"s{n['seed']}" if "seed" in n else "") if x)
+    parts = (result["date"], result["kind"], result["machine"]["id"], what)
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", "_".join(x for x in parts if x)).replace("--", "-") + ".json"
+
+
+def write(result: dict, folder: str | Path) -> Path:
+    """Validate ``result`` and write it as ``folder/file_name(result)`` (atomically; a name taken by another
+    measurement gets a numbered suffix). Returns the path."""
+    validate(result)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path, stem, k = folder / file_name(result), file_name(result)[:-5], 1
+    text = json.dumps(result, indent=2, sort_keys=True) + "\n"
+    while path.exists() and path.read_text() != text:
+        k += 1
+        path = folder / f"{stem}-{k}.json"
+    atomic_write(path, lambda f: f.write(text.encode()))
+    return path
+
+
+def read(path: str | Path) -> dict:
+    """One results file, validated; ResultError names the file when it is not JSON or not a record."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ResultError(f"{path}: not JSON ({e})") from None
+    return validate(result, str(path))
+
+
+def read_all(folder: str | Path) -> list[dict]:
+    """Every ``*.json`` of ``folder``, validated, in file-name order (so a rendering of them is deterministic)."""
+    return [read(p) for p in sorted(Path(folder).glob("*.json"))]
+
+
+def from_run(run_dir: str | Path, *, setting: str = "", command: str | None = None) -> dict:
+    """A ``train`` record of a finished training run, from its summary.json and config.yaml (and, when it has
+    one, ``eval/metrics.json``: the same weights without TTA). ``setting`` names the command's overrides beyond
+    ``--model M --config configs/cpu_budget.yaml --max-time T`` ("" for none); the budget is the run's
+    ``max_time``, or its epochs when it had none."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ResultError(f"{run_dir}: not a finished run ({e})") from None
+    numbers = {"model": summary.get("model", config.get("model")),
+               "budget": config.get("max_time") or f"{config.get('epochs')} epochs",
+               "epochs": summary.get("epochs"),
+               "setting": setting, "precision": summary["precision"], "seed": config.get("seed", 0),
+               "steps": summary["global_step"], "train_images_per_s": summary["train_images_per_s"],
+               "best_val_top1": summary.get("best_val_top1"), "test_top1": summary["test_top1"],
+               "tta": bool(config.get("tta", 0)), "optimizer": summary.get("optimizer", config.get("optimizer"))}
+    plain = run_dir / "eval" / "metrics.json"
+    if plain.is_file():
+        numbers["test_top1_plain"] = json.loads(plain.read_text())["test_top1"]
+    length = f"--max-time {config['max_time']}" if config.get("max_time") else f"--epochs {config.get('epochs')}"
+    command = command or (f"python train.py --model {numbers['model']} --config configs/cpu_budget.yaml "
+                          f"--data-dir DATA {length} --seed {numbers['seed']} {setting}").strip()
+    return make("train", f"{numbers['model']}, {numbers['budget']} of training", command, numbers)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zoo.bench.results", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="finished training runs (summary.json, config.yaml)")
+    p.add_argument("--out", default="results", help="the results folder")
+    p.add_argument("--setting", default="", help='the run\'s overrides of the CPU recipe\'s command, e.g. '
+                                                 '"--precision 32" ("" for none)')
+    p.add_argument("--command", help="the command that ran (default: the CPU recipe's, from the run's config)")
+    args = p.parse_args(argv)
+    try:
+        for run in args.runs:
+            print(write(from_run(run, setting=args.setting, command=args.command), args.out))
+    except ResultError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
