@@ -213,8 +213,8 @@ _FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
 
 def applicable_methods(model: nn.Module) -> list[str]:
     """The methods of ``METHODS`` that apply to ``model``, in that order: the attention ones where it has
-    attention modules (``raw_attention`` alone for class attention, CaiT), ``gradcam`` where it has a default Grad-CAM layer, ``cbam_gate`` where it has CBAM gates,
-    and ``random`` always."""
+    attention modules (``raw_attention`` alone for class attention, CaiT), ``gradcam`` where it has a default
+    Grad-CAM layer, ``cbam_gate`` where it has CBAM gates, and ``random`` always."""
     attention = attention_modules(model)
     found = set(ATTENTION_METHODS) if attention else set()
     if any(isinstance(m, CLASS_ATTENTION) for m in attention):

@@ -1,7 +1,8 @@
 """Recording what attention models look at: every attention map and every CBAM spatial gate a forward pass
 computes, in forward order, whatever backend the attention runs. Attention is recorded from the zoo's
 ``MultiHeadAttention``, timm's ``Attention`` (``VisionTransformer`` and the models built from its blocks, fused
-or not), EVA's and CaiT's attention and torch's ``nn.MultiheadAttention`` (torchvision's ``vit_b_16`` family), without converting the model.
+or not), EVA's and CaiT's attention and torch's ``nn.MultiheadAttention`` (torchvision's ``vit_b_16`` family),
+without converting the model.
 
 Conventions: attention maps are (B, H, N, M) softmax weights; CBAM gates (B, 1, H, W) after the sigmoid."""
 
