@@ -26,6 +26,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from .eager import eager
 from .record import CLASS_ATTENTION, attention_modules, record_attention, spatial_gates
 from .rollout import attention_rollout, fuse_heads, patch_grid, rollout_heatmap, token_layout
 
@@ -233,7 +234,8 @@ def attribute(model: nn.Module, images: torch.Tensor, method: str, target: torch
     (in eval mode) on normalised ``images`` (B, C, H, W), explaining class ``target`` (B,) (None: the predicted
     class; ignored by methods not in ``CLASS_SPECIFIC``). ``options`` go to the method: ``head_fusion``,
     ``discard_ratio`` (rollout), ``discard_ratio`` (grad_rollout), ``layer`` (gradcam), ``grid``, ``seed``
-    (random). No parameter's ``.grad`` is touched."""
+    (random). No parameter's ``.grad`` is touched. A compiled model (``torch.compile``, ``compile: regions``) is
+    explained through its eager form: the same maps as the eager model."""
     if method not in _FUNCTIONS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(images, torch.Tensor) or images.dim() != 4:
@@ -241,4 +243,5 @@ def attribute(model: nn.Module, images: torch.Tensor, method: str, target: torch
     if method in ATTENTION_METHODS and method not in (usable := applicable_methods(model)):
         raise ValueError(f"{method} needs attention maps over every token and {type(model).__name__} records "
                          f"none (no attention, windowed or class attention); methods that apply: {', '.join(usable)}")
-    return _FUNCTIONS[method](model, images, target, **options).detach().float().cpu()
+    with eager(model) as plain:  # hooks and recorded weights need the eager forward (zoo.explain.eager)
+        return _FUNCTIONS[method](plain, images, target, **options).detach().float().cpu()
