@@ -107,9 +107,14 @@ def record_attention(model: nn.Module, *, to_cpu: bool = True, allow_empty: bool
     each map's gradient. Modules and hooks are restored on exit, also on error.
     A ``model`` that is not an nn.Module -> TypeError; one with nothing to record (no zoo.MultiHeadAttention,
     no CBAM spatial gate, e.g. a plain torchvision resnet18) -> ValueError, unless ``allow_empty``. Both are
-    raised by this call, before the block runs."""
+    raised by this call, before the block runs, as is ``keep_graph`` on a compiled model (ValueError naming
+    ``zoo.explain.eager``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"record_attention: model must be an nn.Module, got {model!r}")
+    if keep_graph and (hasattr(model, "_orig_mod") or any(getattr(m, "_compiled_call_impl", None)
+                                                         for m in model.modules())):
+        raise ValueError("record_attention(keep_graph=True): gradients do not reach weights recorded inside a "
+                         "compiled model; record its eager form: with zoo.explain.eager.eager(model) as plain: ...")
     attn, gates = attention_modules(model), spatial_gates(model)
     if not attn and not gates and not allow_empty:
         raise ValueError(f"record_attention: {type(model).__name__} has nothing to record: looked for "
