@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zoo.explain import figures as viz
-from zoo.explain.cli import main as eval_main
+from zoo.explain.html_report import html_report
 
 PROBE = """<script>window.addEventListener("load", () => {
   const p = document.createElement("pre"); p.id = "probe";
@@ -49,9 +49,9 @@ def test_report_renders_in_chromium_with_the_files_numbers(cifar_dir, tmp_path):
     if browser is None:
         pytest.skip("Chromium is not installed (apt-get install chromium): the report is not rendered")
     out = tmp_path / "report"
-    assert eval_main(["--report", "pretrained:hybrid_tiny", "--data-dir", str(cifar_dir), "--out", str(out),
-                          "--faithfulness-images", "10", "--num-images", "2", "--max-test-images", "100"]) == 0
-    page = (out / "report.html").read_text()
+    path = html_report(["pretrained:vit_nano"], out, data_dir=str(cifar_dir), num_images=4, grid_images=2,
+                       accuracy_images=64, bench_repeats=1, progress=False)
+    page = path.read_text()
     sources = re.findall(r'<img[^>]* src="([^"]{0,30})', page)
     assert len(sources) == 2 and all(s.startswith("data:image/png;base64,") for s in sources)  # self-contained
     assert "<script" not in page and "http" not in page.replace("http-equiv", "")
@@ -63,12 +63,12 @@ def test_report_renders_in_chromium_with_the_files_numbers(cifar_dir, tmp_path):
 
     shown = cells(dom)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert list(metrics) == ["hybrid_tiny"] and metrics["hybrid_tiny"]["num_images"] == 100
+    assert list(metrics) == ["vit_nano"] and metrics["vit_nano"]["num_images"] == 64
     for key in ("params", "flops", "test_top1", "test_top1_tta", "inference_images_per_s", "train_images_per_s"):
-        assert shown[f"hybrid_tiny|{key}"] == metrics["hybrid_tiny"][key]
+        assert shown[f"vit_nano|{key}"] == metrics["vit_nano"][key]
     with (out / "faithfulness.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * 6  # 6 methods x deletion / insertion
+    assert len(rows) == 6 * 2  # 5 methods and random x deletion / insertion
     for r in rows:
         for column in ("auc", "ci_low", "ci_high", "p_vs_random", "p_vs_rollout"):
             got = shown[f"{r['model']}|{r['method']}|{r['removal']}|{r['metric']}|{column}"]
