@@ -134,8 +134,8 @@ def _page(numbers: dict[str, dict], rows: list[dict], sections: list[str]) -> st
         "<tr>" + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in ("model", "method", "removal", "metric"))
         + "".join(_number(r[c], f"{r['model']}|{r['method']}|{r['removal']}|{r['metric']}|{c}") for c in BOARD_COLUMNS)
         + f"<td>{r['num_images']}</td></tr>" for r in rows)
-    machine = html.escape(f"{platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
-                          f"{torch.get_num_threads()} threads")
+    cpu = " ".join(filter(None, (platform.machine(), platform.processor())))
+    machine = html.escape(f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>zoo report</title>
 <style>body{{font-family:sans-serif;margin:1.5em;max-width:1400px}}table{{border-collapse:collapse;margin:1em 0}}
