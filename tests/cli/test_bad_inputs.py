@@ -201,8 +201,8 @@ EVAL_CASES = [
      r"has the classes \['cat', 'dog'\], the run was trained on"),
     ("faithfulness, weights not shipped", ["--faithfulness", "pretrained:vit_tiny"],
      r"the zoo ships no weights for 'vit_tiny'"),
-    ("no mode", [], r"one of the arguments --checkpoint --pretrained --compare --faithfulness --bench-suite is "
-                    r"required"),
+    ("no mode", [], r"one of the arguments --checkpoint --pretrained --compare --faithfulness --report "
+                    r"--bench-suite is required"),
 ]
 if not torch.cuda.is_available():
     EVAL_CASES.append(("cuda without a GPU", ["--checkpoint", "{run}", "--device", "cuda"], r"no CUDA GPU is visible"))

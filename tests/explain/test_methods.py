@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 import zoo
 from zoo.explain.methods import (
@@ -47,8 +48,29 @@ def test_gradcam_equals_pytorch_grad_cam(name, layer, targets):
     assert (minmax(upsampled) - minmax(torch.from_numpy(theirs))).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("targets", [None, [3, 7]])
+def test_gradcam_on_vit_equals_pytorch_grad_cam_with_reshape_transform(targets):
+    from pytorch_grad_cam import GradCAM
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    torch.manual_seed(0)
+    model = zoo.create_model("vit_nano").eval()  # random init: 1 class token + an 8x8 grid
+    images = torch.randn(2, 3, 32, 32)
+    target = None if targets is None else torch.tensor(targets)
+    ours = attribute(model, images, "gradcam", target)  # default layer: the last block's norm1
+    assert ours.shape == (2, 8, 8) and ours.max() > 0
+
+    def reshape_transform(tokens):  # the pytorch-grad-cam ViT tutorial's, class token dropped
+        return rearrange(tokens[:, 1:], "b (h w) c -> b c h w", h=8)
+
+    with GradCAM(model, [model.blocks[-1].norm1], reshape_transform=reshape_transform) as cam:
+        theirs = cam(images, None if targets is None else [ClassifierOutputTarget(c) for c in targets])
+    upsampled = F.interpolate(minmax(ours)[:, None], size=(32, 32), mode="bilinear", align_corners=False)[:, 0]
+    assert (minmax(upsampled) - minmax(torch.from_numpy(theirs))).abs().max() < 1e-5
+
+
 def test_gradcam_layer_errors():
-    model = zoo.create_model("vit_nano").eval()
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
     with pytest.raises(ValueError, match="none of the default layers"):
         attribute(model, torch.randn(1, 3, 32, 32), "gradcam")
     with pytest.raises(ValueError, match="no submodule 'nope'"):
@@ -140,7 +162,7 @@ def test_class_specific_methods_follow_the_target_logits_gradient(method):
 
 def test_applicable_methods_and_shapes():
     images = torch.randn(2, 3, 32, 32)
-    expected = {"vit_nano": ["raw_attention", "rollout", "grad_rollout", "chefer2021", "random"],
+    expected = {"vit_nano": ["raw_attention", "rollout", "grad_rollout", "chefer2021", "gradcam", "random"],
                 "hybrid_tiny": list(METHODS), "resnet18_cbam": ["gradcam", "cbam_gate", "random"],
                 "resnet18": ["gradcam", "random"]}
     for name, methods in expected.items():

@@ -65,6 +65,17 @@ def test_zoo_to_timm_equal_logits(kwargs):
     torch.testing.assert_close(vit_to_timm(zoo_vit)(x), zoo_vit(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_register_tokens_equal_logits_both_ways(pool):
+    timm_vit = randomise(TimmVisionTransformer(img_size=(16, 24), patch_size=4, embed_dim=32, depth=2, num_heads=2,
+                                               reg_tokens=4, global_pool=pool, class_token=pool == "token"))
+    x = images(timm_vit)
+    zoo_vit = vit_from_timm(timm_vit)
+    assert zoo_vit.num_prefix_tokens == timm_vit.num_prefix_tokens == (5 if pool == "token" else 4)
+    torch.testing.assert_close(zoo_vit(x), timm_vit(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vit_to_timm(zoo_vit)(x), timm_vit(x), atol=1e-5, rtol=1e-5)
+
+
 def test_dropout_rates_carry_over():
     timm_vit = TimmVisionTransformer(img_size=32, patch_size=4, embed_dim=32, depth=3, num_heads=2,
                                      drop_rate=0.1, attn_drop_rate=0.2, proj_drop_rate=0.3,
@@ -102,7 +113,6 @@ def test_to_timm_at_another_img_size_resamples():
 @pytest.mark.parametrize("kwargs, feature", [
     (dict(init_values=1e-5), "LayerScale"),
     (dict(qk_norm=True), "qk_norm"),
-    (dict(reg_tokens=2), "reg_tokens=2"),
     (dict(no_embed_class=True), "no_embed_class"),
     (dict(global_pool="avg"), "class_token=True with global_pool='avg'"),
     (dict(global_pool="avg", class_token=False, fc_norm=False), "fc_norm"),
@@ -124,8 +134,8 @@ def test_unsupported_timm_features_raise(kwargs, feature):
 
 def test_several_unsupported_features_are_all_named():
     timm_vit = TimmVisionTransformer(img_size=32, patch_size=4, embed_dim=32, depth=1, num_heads=2,
-                                     init_values=1e-5, qk_norm=True, reg_tokens=1)
-    with pytest.raises(ValueError, match="reg_tokens=1.*LayerScale.*qk_norm"):
+                                     init_values=1e-5, qk_norm=True, no_embed_class=True)
+    with pytest.raises(ValueError, match="no_embed_class=True.*LayerScale.*qk_norm"):
         vit_from_timm(timm_vit)
 
 

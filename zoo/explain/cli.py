@@ -6,6 +6,7 @@
     python eval.py --compare runs/vit_tiny/<id> runs/resnet18_cbam/<id> --out eval/compare
     python eval.py --faithfulness runs/hybrid_tiny/<id> [pretrained:NAME ...] --out eval/faithfulness
                    [--faithfulness-images 1000] [--full-grid] [--sanity] [--absolute-scale]
+    python eval.py --report pretrained:hybrid_tiny pretrained:vit_nano --out eval/report [--faithfulness-images N]
     python eval.py --bench-suite --out bench [--data-dir DIR]
 
 User errors (missing / truncated / foreign checkpoint, missing data) print one line and exit with code 2.
@@ -32,6 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "pretrained:NAME): every applicable explanation method scored by deletion and insertion AUC "
                       "with bootstrap CIs and a paired test against random (faithfulness.csv, faithfulness.md, "
                       "figures; ~10 min per hybrid_tiny on 1 CPU core with the defaults)")
+    what.add_argument("--report", nargs="+", metavar="RUN",
+                      help="one self-contained report.html comparing these runs (as --faithfulness takes them): "
+                      "accuracy (plain / TTA), params, FLOPs, throughput, the same --num-images test images under "
+                      "each model's rollout and most faithful method, the leaderboard and its curves")
     what.add_argument("--bench-suite", action="store_true",
                       help="the benchmark suite: attention op and vit_tiny vs timm, memory per backend, MFU, "
                       "input pipeline, optimisation claims (bench.json + bench.md; ~5 min on 2 CPU cores)")
@@ -90,6 +95,14 @@ def main(argv=None) -> int:
             check_out_dir(args.out)
             run_suite(args.out, data_dir=args.data_dir, device=args.device)
             print(open(f"{args.out}/bench.md").read())
+            return 0
+        if args.report:
+            from zoo.explain.html_report import html_report
+
+            path = html_report(args.report, args.out, data_dir=args.data_dir, num_images=args.faithfulness_images,
+                               grid_images=args.num_images, accuracy_images=args.max_test_images,
+                               batch_size=args.batch_size, device=args.device, cache_dir=args.cache_dir)
+            print(f"wrote {path}")
             return 0
         if args.faithfulness:
             from zoo.explain.faithfulness_report import DEFAULT_REMOVALS, faithfulness_report

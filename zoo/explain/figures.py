@@ -57,15 +57,32 @@ def upsample_heatmap(heatmap: torch.Tensor, size: tuple[int, int], *, rescale: b
     return ((up - up.min()) / span if span > 0 else torch.zeros_like(up)).numpy()
 
 
+def constant_note(ax, image: torch.Tensor | None, heatmap: torch.Tensor) -> bool:
+    """Where every value of ``heatmap`` is the same, draw ``image`` (or nothing) with a line saying so instead
+    of a flat colour panel, which reads as a broken figure, and return True; else draw nothing, return False."""
+    if heatmap.numel() and heatmap.max() > heatmap.min():
+        return False
+    if image is not None:
+        ax.imshow(_image(image), alpha=0.35)
+    ax.text(0.5, 0.5, f"constant map:\nevery value {heatmap.flatten()[0].item():.3g}", transform=ax.transAxes,
+            ha="center", va="center", fontsize=8, wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    return True
+
+
 def overlay(ax, image: torch.Tensor, heatmap: torch.Tensor, *, alpha: float = 0.5, title: str | None = None):
-    """Draw ``image`` with ``heatmap`` upsampled over it (rescaled to [0, 1] = least .. most important)."""
+    """Draw ``image`` with ``heatmap`` upsampled over it (rescaled to [0, 1] = least .. most important); a
+    constant heatmap is said in words (``constant_note``)."""
+    if title:
+        ax.set_title(title, fontsize=9)
+    if constant_note(ax, image, heatmap):
+        return
     pixels = _image(image)
     ax.imshow(pixels)
     ax.imshow(upsample_heatmap(heatmap, pixels.shape[:2]), cmap=HEATMAP_CMAP, alpha=alpha, vmin=0, vmax=1)
     ax.set_xticks([])
     ax.set_yticks([])
-    if title:
-        ax.set_title(title, fontsize=9)
 
 
 def heatmap_colorbar(fig: Figure, ax, label: str = "relative importance (min..max)"):
@@ -121,11 +138,12 @@ def explanation_figure(image: torch.Tensor, *, true_name: str, pred_name: str,
         heatmap_colorbar(fig, axes[col])
         col += 1
     for stage, gate in enumerate(cbam, start=1):
-        shown = axes[col].imshow(gate.detach().float().cpu().numpy(), cmap=HEATMAP_CMAP, vmin=0, vmax=1)
         axes[col].set_title(f"CBAM stage {stage} ({gate.shape[0]}x{gate.shape[1]})", fontsize=9)
-        axes[col].set_xticks([])
-        axes[col].set_yticks([])
-        fig.colorbar(shown, ax=axes[col], fraction=0.046, pad=0.04, label="spatial gate")
+        if not constant_note(axes[col], None, gate):  # a saturated gate (all 1.0) passes everything
+            shown = axes[col].imshow(gate.detach().float().cpu().numpy(), cmap=HEATMAP_CMAP, vmin=0, vmax=1)
+            axes[col].set_xticks([])
+            axes[col].set_yticks([])
+            fig.colorbar(shown, ax=axes[col], fraction=0.046, pad=0.04, label="spatial gate")
         col += 1
     verdict = "correct" if true_name == pred_name else "wrong"
     fig.suptitle(f"true: {true_name}   predicted: {pred_name} ({verdict})")
@@ -270,8 +288,11 @@ def methods_grid_figure(images: torch.Tensor, heatmaps: Mapping[str, torch.Tenso
     axes[0, 0].set_ylabel("image", fontsize=9)
     for row, (method, maps) in enumerate(heatmaps.items(), start=1):
         low, high = min(0.0, maps.min().item()), maps.max().item()
+        shown = None
         for col in range(n):
             ax = axes[row, col]
+            if absolute and constant_note(ax, images[col], maps[col]):
+                continue
             if absolute:
                 pixels = _image(images[col])
                 ax.imshow(pixels)
@@ -282,7 +303,7 @@ def methods_grid_figure(images: torch.Tensor, heatmaps: Mapping[str, torch.Tenso
             else:
                 overlay(ax, images[col], maps[col])
         axes[row, 0].set_ylabel(method, fontsize=9)
-        if absolute:
+        if absolute and shown is not None:
             fig.colorbar(shown, ax=axes[row, :], fraction=0.02, pad=0.01, label=method)
     if not absolute:
         heatmap_colorbar(fig, axes[1:, :])

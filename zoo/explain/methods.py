@@ -10,9 +10,10 @@ larger = more important, for the zoo's models and for timm's and torchvision's V
   (https://arxiv.org/abs/2103.15679): R = I, then per layer R += mean_heads(clamp(dy_c/dA * A, min=0)) @ R.
 - ``gradcam``: Grad-CAM (Selvaraju et al. 2017, https://arxiv.org/abs/1610.02391) on a convolutional layer:
   relu(sum_k mean_hw(dy_c/dF_k) * F_k), at that layer's resolution (the zoo's CBAM-ResNet: ``layer4``; the
-  hybrid: its ``stem``, the grid its attention sees).
+  hybrid: its ``stem``, the grid its attention sees); on a ViT, the output of the last block's first norm with
+  the patch tokens laid out on the model's grid, prefix tokens dropped (``tokens_to_grid``).
 - ``cbam_gate``: the last CBAM spatial gate (Woo et al. 2018, https://arxiv.org/abs/1807.06521).
-- ``random``: uniform noise, the baseline every method must beat.
+- ``random``: uniform noise on the model's patch grid, the baseline every method must beat.
 
 Class-specific methods (``CLASS_SPECIFIC``) explain the logit y_c of ``target`` (B,) (None: the predicted class).
 Images are normalised (B, 3, H, W); maps come back as float32 on the CPU, (B, gh, gw) or (B, h, w)."""
@@ -22,10 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from einops import rearrange
 from torch import nn
 
-from .record import attention_modules, record_attention, spatial_gates
-from .rollout import attention_rollout, fuse_heads, rollout_heatmap, token_layout
+from .eager import eager
+from .record import CLASS_ATTENTION, attention_modules, record_attention, spatial_gates
+from .rollout import attention_rollout, fuse_heads, patch_grid, rollout_heatmap, token_layout
 
 METHODS = ("raw_attention", "rollout", "grad_rollout", "chefer2021", "gradcam", "cbam_gate", "random")
 CLASS_SPECIFIC = frozenset({"grad_rollout", "chefer2021", "gradcam"})
@@ -101,8 +104,11 @@ def _recorded(model: nn.Module, images: torch.Tensor):
 
 
 def raw_attention(model: nn.Module, images: torch.Tensor, target=None) -> torch.Tensor:
-    maps = _self_attention(_recorded(model, images).maps)
-    return _attention_heatmap(model, fuse_heads(maps[-1].float()))
+    maps = _recorded(model, images).maps
+    if maps and maps[-1].shape[-2] == 1:  # class attention (CaiT): the class token's row is the whole map
+        grid, prefix, _ = token_layout(model, maps[-1].shape[-1])
+        return fuse_heads(maps[-1].float())[:, 0, prefix:].reshape(-1, *grid)
+    return _attention_heatmap(model, fuse_heads(_self_attention(maps)[-1].float()))
 
 
 def rollout(model: nn.Module, images: torch.Tensor, target=None, *, head_fusion: str = "mean",
@@ -124,19 +130,47 @@ def chefer2021(model: nn.Module, images: torch.Tensor, target=None) -> torch.Ten
     return _attention_heatmap(model, chefer_relevance(maps, grads))
 
 
+def _last_block_norm(model: nn.Module) -> nn.Module | None:
+    """The first norm of a token model's last block (timm / zoo ``blocks[-1].norm1``, torchvision
+    ``encoder.layers[-1].ln_1``): pytorch-grad-cam's ViT tutorial layer; None for a model without blocks."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        blocks = getattr(getattr(model, "encoder", None), "layers", None)
+    if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or not len(blocks):
+        return None
+    norm = getattr(blocks[-1], "norm1", None)
+    return norm if isinstance(norm, nn.Module) else getattr(blocks[-1], "ln_1", None)
+
+
 def gradcam_layer(model: nn.Module, layer: str | nn.Module | None = None) -> nn.Module:
-    """The layer Grad-CAM reads: a module, a submodule name, or None for the first of ``GRADCAM_LAYERS``."""
+    """The layer Grad-CAM reads: a module, a submodule name, or None for the first of ``GRADCAM_LAYERS``, else
+    (token models) the last block's first norm."""
     if isinstance(layer, nn.Module):
         return layer
     names = [layer] if layer is not None else [n for n in GRADCAM_LAYERS if isinstance(getattr(model, n, None),
                                                                                        nn.Module)]
     if not names:
-        raise ValueError(f"gradcam: {type(model).__name__} has none of the default layers {GRADCAM_LAYERS}; "
-                         "pass layer= (a module or its name)")
+        norm = _last_block_norm(model)
+        if norm is not None:
+            return norm
+        raise ValueError(f"gradcam: {type(model).__name__} has none of the default layers {GRADCAM_LAYERS} "
+                         "and no transformer blocks; pass layer= (a module or its name)")
     try:
         return model.get_submodule(names[0])
     except AttributeError:
         raise ValueError(f"gradcam: {type(model).__name__} has no submodule {names[0]!r}") from None
+
+
+def tokens_to_grid(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, N, C) tokens -> (B, C, gh, gw) over the model's patch grid (``patch_grid``, non-square included),
+    the leading prefix tokens (class, register, distillation) dropped: pytorch-grad-cam's ``reshape_transform``."""
+    grid = patch_grid(model)
+    if grid is None:
+        grid = token_layout(model, tokens.shape[1])[0]
+    prefix = tokens.shape[1] - grid[0] * grid[1]
+    if prefix < 0:
+        raise ValueError(f"gradcam: {tokens.shape[1]} tokens do not cover the patch grid {grid}")
+    return rearrange(tokens[:, prefix:], "b (gh gw) c -> b c gh gw", gh=grid[0])
 
 
 def gradcam(model: nn.Module, images: torch.Tensor, target=None, *,
@@ -146,13 +180,15 @@ def gradcam(model: nn.Module, images: torch.Tensor, target=None, *,
     try:
         with torch.enable_grad():
             logits = model(images)
-            if len(seen) != 1 or seen[0].dim() != 4:
-                raise ValueError(f"gradcam: the layer must run once per forward and give (B, C, h, w) features, "
-                                 f"got {[tuple(t.shape) for t in seen]}")
+            if len(seen) != 1 or seen[0].dim() not in (3, 4):
+                raise ValueError(f"gradcam: the layer must run once per forward and give (B, C, h, w) features "
+                                 f"or (B, N, C) tokens, got {[tuple(t.shape) for t in seen]}")
             (grad,) = torch.autograd.grad(_score(logits, target), seen)
     finally:
         handle.remove()
     features = seen[0].detach()
+    if features.dim() == 3:
+        features, grad = tokens_to_grid(model, features), tokens_to_grid(model, grad)
     weights = grad.mean(dim=(2, 3), keepdim=True)
     return (weights * features).sum(dim=1).clamp(min=0)
 
@@ -164,10 +200,11 @@ def cbam_gate(model: nn.Module, images: torch.Tensor, target=None) -> torch.Tens
     return gates[-1][:, 0]
 
 
-def random(model: nn.Module, images: torch.Tensor, target=None, *, grid: tuple[int, int] = (8, 8),
+def random(model: nn.Module, images: torch.Tensor, target=None, *, grid: tuple[int, int] | None = None,
            seed: int = 0) -> torch.Tensor:
+    """Uniform noise on ``grid``, by default the model's patch grid (``patch_grid``; 8 x 8 without one)."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.rand(images.shape[0], *grid, generator=generator)
+    return torch.rand(images.shape[0], *(grid or patch_grid(model) or (8, 8)), generator=generator)
 
 
 _FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
@@ -177,10 +214,14 @@ _FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
 
 def applicable_methods(model: nn.Module) -> list[str]:
     """The methods of ``METHODS`` that apply to ``model``, in that order: the attention ones where it has
-    attention modules, ``gradcam`` where it has a default Grad-CAM layer, ``cbam_gate`` where it has CBAM gates,
-    and ``random`` always."""
-    found = set(ATTENTION_METHODS) if attention_modules(model) else set()
-    if any(isinstance(getattr(model, n, None), nn.Module) for n in GRADCAM_LAYERS):
+    attention modules (``raw_attention`` alone for class attention, CaiT), ``gradcam`` where it has a default
+    Grad-CAM layer, ``cbam_gate`` where it has CBAM gates, and ``random`` always."""
+    attention = attention_modules(model)
+    found = set(ATTENTION_METHODS) if attention else set()
+    if any(isinstance(m, CLASS_ATTENTION) for m in attention):
+        found = {"raw_attention"}  # the class token's last map; the patch blocks never see it
+    if any(isinstance(getattr(model, n, None), nn.Module) for n in GRADCAM_LAYERS) or (
+            _last_block_norm(model) is not None):
         found.add("gradcam")
     if spatial_gates(model):
         found.add("cbam_gate")
@@ -193,9 +234,14 @@ def attribute(model: nn.Module, images: torch.Tensor, method: str, target: torch
     (in eval mode) on normalised ``images`` (B, C, H, W), explaining class ``target`` (B,) (None: the predicted
     class; ignored by methods not in ``CLASS_SPECIFIC``). ``options`` go to the method: ``head_fusion``,
     ``discard_ratio`` (rollout), ``discard_ratio`` (grad_rollout), ``layer`` (gradcam), ``grid``, ``seed``
-    (random). No parameter's ``.grad`` is touched."""
+    (random). No parameter's ``.grad`` is touched. A compiled model (``torch.compile``, ``compile: regions``) is
+    explained through its eager form: the same maps as the eager model."""
     if method not in _FUNCTIONS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(images, torch.Tensor) or images.dim() != 4:
         raise ValueError(f"images must be (B, C, H, W), got {getattr(images, 'shape', type(images).__name__)}")
-    return _FUNCTIONS[method](model, images, target, **options).detach().float().cpu()
+    if method in ATTENTION_METHODS and method not in (usable := applicable_methods(model)):
+        raise ValueError(f"{method} needs attention maps over every token and {type(model).__name__} records "
+                         f"none (no attention, windowed or class attention); methods that apply: {', '.join(usable)}")
+    with eager(model) as plain:  # hooks and recorded weights need the eager forward (zoo.explain.eager)
+        return _FUNCTIONS[method](plain, images, target, **options).detach().float().cpu()

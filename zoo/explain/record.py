@@ -1,7 +1,8 @@
 """Recording what attention models look at: every attention map and every CBAM spatial gate a forward pass
 computes, in forward order, whatever backend the attention runs. Attention is recorded from the zoo's
 ``MultiHeadAttention``, timm's ``Attention`` (``VisionTransformer`` and the models built from its blocks, fused
-or not) and torch's ``nn.MultiheadAttention`` (torchvision's ``vit_b_16`` family), without converting the model.
+or not), EVA's and CaiT's attention and torch's ``nn.MultiheadAttention`` (torchvision's ``vit_b_16`` family),
+without converting the model.
 
 Conventions: attention maps are (B, H, N, M) softmax weights; CBAM gates (B, 1, H, W) after the sigmoid."""
 
@@ -15,9 +16,17 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from timm.layers import Attention as TimmAttention
+from timm.layers import AttentionRope
+from timm.models.cait import ClassAttn, TalkingHeadAttn
+from timm.models.eva import EvaAttention
 from torch import nn
 
 from ..layers.attention import MultiHeadAttention
+
+# timm attention modules whose non-fused path applies ``attn_drop`` to the weights: recorded at its input.
+# ClassAttn (CaiT) gives (B, H, 1, N) class-token rows; TalkingHeadAttn the weights after its head mixing.
+TIMM_ATTENTION = (TimmAttention, AttentionRope, EvaAttention, ClassAttn, TalkingHeadAttn)
+CLASS_ATTENTION = (ClassAttn,)  # only the class token queries: no token-to-token map to roll out
 
 LOOKED_FOR = ("attention modules (zoo.MultiHeadAttention, timm's Attention, torch's nn.MultiheadAttention) or CBAM "
               "spatial gates (zoo.SpatialAttention, modules with a gate_hook)")
@@ -57,8 +66,9 @@ def _is_spatial_gate(module: nn.Module) -> bool:
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention modules ``record_attention`` records from: the zoo's, timm's and torch's."""
-    return [m for m in model.modules() if isinstance(m, (MultiHeadAttention, TimmAttention, nn.MultiheadAttention))]
+    """The attention modules ``record_attention`` records from: the zoo's, timm's (``TIMM_ATTENTION``: ViT,
+    EVA, CaiT) and torch's."""
+    return [m for m in model.modules() if isinstance(m, (MultiHeadAttention, nn.MultiheadAttention, *TIMM_ATTENTION))]
 
 
 def spatial_gates(model: nn.Module) -> list[nn.Module]:
@@ -97,9 +107,14 @@ def record_attention(model: nn.Module, *, to_cpu: bool = True, allow_empty: bool
     each map's gradient. Modules and hooks are restored on exit, also on error.
     A ``model`` that is not an nn.Module -> TypeError; one with nothing to record (no zoo.MultiHeadAttention,
     no CBAM spatial gate, e.g. a plain torchvision resnet18) -> ValueError, unless ``allow_empty``. Both are
-    raised by this call, before the block runs."""
+    raised by this call, before the block runs, as is ``keep_graph`` on a compiled model (ValueError naming
+    ``zoo.explain.eager``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"record_attention: model must be an nn.Module, got {model!r}")
+    if keep_graph and (hasattr(model, "_orig_mod") or any(getattr(m, "_compiled_call_impl", None)
+                                                         for m in model.modules())):
+        raise ValueError("record_attention(keep_graph=True): gradients do not reach weights recorded inside a "
+                         "compiled model; record its eager form: with zoo.explain.eager.eager(model) as plain: ...")
     attn, gates = attention_modules(model), spatial_gates(model)
     if not attn and not gates and not allow_empty:
         raise ValueError(f"record_attention: {type(model).__name__} has nothing to record: looked for "
@@ -140,11 +155,11 @@ def _recording(rec: AttentionRecording, attn: list[nn.Module], gates: list[nn.Mo
         return hook
 
     zoo_attn = [m for m in attn if isinstance(m, MultiHeadAttention)]
-    timm_attn = [m for m in attn if isinstance(m, TimmAttention)]
+    timm_attn = [m for m in attn if isinstance(m, TIMM_ATTENTION)]
     torch_attn = [m for m in attn if isinstance(m, nn.MultiheadAttention)]
     saved = [(m, "weights_hook", m.weights_hook) for m in zoo_attn]
     saved += [(m, "backend", m.backend) for m in zoo_attn if keep_graph]
-    saved += [(m, "fused_attn", m.fused_attn) for m in timm_attn]
+    saved += [(m, "fused_attn", m.fused_attn) for m in timm_attn if hasattr(m, "fused_attn")]
     saved += [(m, "gate_hook", m.gate_hook) for m in gates]
     handles = []
     try:
@@ -153,7 +168,8 @@ def _recording(rec: AttentionRecording, attn: list[nn.Module], gates: list[nn.Mo
             if keep_graph:
                 m.backend = "math"
         for m in timm_attn:
-            m.fused_attn = False
+            if hasattr(m, "fused_attn"):
+                m.fused_attn = False
             record = keep(rec.maps)
             handles.append(m.attn_drop.register_forward_hook(lambda mod, args, out, record=record: record(args[0])))
         for m in torch_attn:

@@ -128,13 +128,22 @@ class Explanation:
         return self.rollout if self.rollout is not None else self.cbam
 
 
+def patch_grid(model: nn.Module) -> tuple[int, int] | None:
+    """The (gh, gw) patch grid a ViT's tokens lie on, non-square included: the zoo's ``grid_size``, timm's
+    ``patch_embed.grid_size``, torchvision's ``image_size // patch_size``; None for a model without one."""
+    grid = getattr(model, "grid_size", None) or getattr(getattr(model, "patch_embed", None), "grid_size", None)
+    if grid is None and isinstance(getattr(model, "image_size", None), int) and hasattr(model, "patch_size"):
+        grid = (model.image_size // model.patch_size,) * 2
+    return None if grid is None else (int(grid[0]), int(grid[1]))
+
+
 def token_layout(model: nn.Module, num_tokens: int) -> tuple[tuple[int, int], int, str]:
     """(grid_size, num_prefix_tokens, pooling) of a model's attention tokens, read from the attributes the
-    zoo's models carry (``grid_size``, ``num_prefix_tokens``, ``global_pool``); a model without a grid
-    attribute is taken to attend over a square grid of its last tokens (timm's and torchvision's ViTs)."""
+    zoo's models carry (``grid_size``, ``num_prefix_tokens``, ``global_pool``) and timm's / torchvision's
+    (``patch_grid``); a model without a grid is taken to attend over a square grid of its last tokens."""
     prefix = num_prefix_tokens(model)
     pooling = "token" if prefix > 0 and getattr(model, "global_pool", "token") == "token" else "avg"
-    grid = getattr(model, "grid_size", None)
+    grid = patch_grid(model)
     if grid is None or num_tokens != prefix + grid[0] * grid[1]:
         side = math.isqrt(num_tokens - prefix)
         if side * side != num_tokens - prefix:

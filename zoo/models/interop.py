@@ -29,7 +29,6 @@ def _timm_unsupported(vit: TimmVisionTransformer) -> list[str]:
     dim, pe = vit.embed_dim, vit.patch_embed
     found = []
     flags = [
-        (vit.num_reg_tokens, f"reg_tokens={vit.num_reg_tokens}"),
         (vit.no_embed_class, "no_embed_class=True"),
         (vit.dynamic_img_size, "dynamic_img_size=True"),
         (pe.dynamic_img_pad, "dynamic_img_pad=True"),
@@ -128,7 +127,8 @@ def vit_from_timm(timm_vit: TimmVisionTransformer, img_size: int | tuple[int, in
     img_size = to_2tuple(img_size) if img_size is not None else tuple(pe.img_size)
     config = _block_config(timm_vit.blocks, timm_vit.blocks[0].attn.attn_drop.p if timm_vit.blocks else 0.0)
     zoo_vit = VisionTransformer(img_size, tuple(pe.patch_size), pe.proj.in_channels, timm_vit.num_classes,
-                                global_pool=timm_vit.global_pool, drop_rate=timm_vit.head_drop.p, **config)
+                                global_pool=timm_vit.global_pool, drop_rate=timm_vit.head_drop.p,
+                                reg_tokens=timm_vit.num_reg_tokens, **config)
     return _copy(timm_vit, zoo_vit, tuple(pe.grid_size), _grid(img_size, tuple(pe.patch_size)),
                  timm_vit.num_prefix_tokens, timm_vit.state_dict())
 
@@ -151,8 +151,8 @@ def vit_to_timm(zoo_vit: VisionTransformer, img_size: int | tuple[int, int] | No
     timm_vit = TimmVisionTransformer(
         img_size=img_size, patch_size=zoo_vit.patch_size, in_chans=zoo_vit.in_chans,
         num_classes=zoo_vit.num_classes, global_pool=zoo_vit.global_pool,
-        class_token=zoo_vit.cls_token is not None, drop_rate=zoo_vit.head_drop.p, weight_init="skip",
-        **config)
+        class_token=zoo_vit.cls_token is not None, reg_tokens=zoo_vit.num_reg_tokens, drop_rate=zoo_vit.head_drop.p,
+        weight_init="skip", **config)
     state_dict = zoo_vit.state_dict()
     state_dict["pos_embed"] = zoo_vit.pos_embed.detach()  # a sin-cos table is a non-persistent buffer
     return _copy(zoo_vit, timm_vit, zoo_vit.grid_size, _grid(img_size, zoo_vit.patch_size),

@@ -117,6 +117,8 @@ class VisionTransformer(TokenFeatures, nn.Module):
         drop_rate: dropout before the head. proj_drop_rate / attn_drop_rate: dropout in every block.
         drop_path_rate: stochastic depth, rising linearly from 0 at the first block to this at the last.
         backend: attention backend of every block ("auto", "sdpa", "math", "chunked", "linear", "flex").
+        reg_tokens: register tokens (Darcet et al. 2024, https://arxiv.org/abs/2309.16588) after the class
+            token, with position embeddings as timm's ``reg_tokens`` (``num_prefix_tokens`` counts them).
         local_window: local attention (neighbourhood attention, Hassani et al. 2022,
             https://arxiv.org/abs/2204.07143): each patch token attends only the patches within this many grid
             rows and columns, ``zoo.masks.spec(window=local_window, grid=grid_size)``, so "auto" runs the banded
@@ -128,7 +130,8 @@ class VisionTransformer(TokenFeatures, nn.Module):
                  embed_dim: int = 192, depth: int = 12, num_heads: int = 3, mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, pos_embed: str = "learn", rel_pos_bias: bool = False,
                  drop_rate: float = 0.0, proj_drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
-                 drop_path_rate: float = 0.0, backend: str = "auto", local_window: int | None = None):
+                 drop_path_rate: float = 0.0, backend: str = "auto", local_window: int | None = None,
+                 reg_tokens: int = 0):
         super().__init__()
         for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim), ("depth", depth)):
             check_int(name, value)  # 0 would build a model without blocks or input channels
@@ -137,17 +140,23 @@ class VisionTransformer(TokenFeatures, nn.Module):
                              f"got global_pool={global_pool!r}")
         if global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        if isinstance(reg_tokens, bool) or not isinstance(reg_tokens, int) or reg_tokens < 0:
+            raise ValueError(f"reg_tokens must be an int >= 0, got {reg_tokens!r}")
+        if reg_tokens and local_window is not None:
+            raise ValueError("local_window attends over the patch grid alone: it takes no reg_tokens")
         if pos_embed not in ("learn", "sincos"):
             raise ValueError(f"pos_embed must be 'learn' or 'sincos', got {pos_embed!r}")
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.num_prefix_tokens = 1 if global_pool == "token" else 0
+        self.num_reg_tokens = reg_tokens
+        self.num_prefix_tokens = (1 if global_pool == "token" else 0) + reg_tokens
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.img_size, self.patch_size = self.patch_embed.img_size, self.patch_embed.patch_size
         self.grid_size, self.in_chans = self.patch_embed.grid_size, in_chans
 
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if self.num_prefix_tokens else None
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if global_pool == "token" else None
+        self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         num_tokens = self.num_prefix_tokens + self.patch_embed.num_patches
         if pos_embed == "learn":
             self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
@@ -181,6 +190,8 @@ class VisionTransformer(TokenFeatures, nn.Module):
             trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
+        if self.reg_token is not None:
+            nn.init.normal_(self.reg_token, std=1e-6)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 trunc_normal_(m.weight, std=0.02)
@@ -202,7 +213,7 @@ class VisionTransformer(TokenFeatures, nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token"}
+        return {"pos_embed", "cls_token"} | ({"reg_token"} if self.reg_token is not None else set())
 
     def get_classifier(self) -> nn.Module:
         return self.head
@@ -223,14 +234,14 @@ class VisionTransformer(TokenFeatures, nn.Module):
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """Parameter groups for timm's layer-wise lr decay: the embedding, then one group per block."""
-        return dict(stem=r"^cls_token|pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+        return dict(stem=r"^cls_token|reg_token|pos_embed|patch_embed",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim) entering the blocks."""
         x = self.patch_embed(x)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        return x + self.pos_embed
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        return torch.cat([*prefix, x], dim=1) + self.pos_embed  # timm's order: class, registers, patches
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim), after the final norm."""
