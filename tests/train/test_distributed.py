@@ -211,13 +211,16 @@ def test_simulated_slurm_tasks_share_one_run(cifar_dir, tmp_path):
 
 # ----------------------------------------------------------------------------------------- exact evaluation
 
-def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, tmp_path):
-    """301 test images do not divide among 3 processes (a padding sampler would count 303); the logged top-1 /
-    top-5 / loss equal a plain single-process loop over the 301 images."""
+@pytest.mark.parametrize("n", [301, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, tmp_path, n):
+    """301 test images (or all 10,000) do not divide among 3 processes (a padding sampler would count 303 or
+    10,002); Lightning's logged top-1 / top-5 / loss and eval.py's metrics.json equal a plain single-process loop
+    over the images, on 1 process and on 3 (torchrun)."""
+    from zoo.explain.cli import main as eval_main
     from zoo.train.data import ImageDataModule
     from zoo.train.module import ImageClassifier
 
-    n, ckpt = 301, tiny_run / "checkpoints" / "last.ckpt"
+    ckpt = tiny_run / "checkpoints" / "last.ckpt"
     module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", tta=0).eval()
     dm = ImageDataModule(cifar_dir, max_test_images=n, splits=("test",), cache_dir=tmp_path / "ref-cache")
     dm.setup("test")
@@ -230,6 +233,9 @@ def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, 
     top5 = int((logits.topk(5, dim=1).indices == labels[:, None]).any(1).sum())
     loss = float(F.cross_entropy(logits, labels, label_smoothing=module.hparams.label_smoothing))
     one = lightning_test(str(ckpt), str(cifar_dir), n, 1, str(tmp_path / "ref-cache"))
+    assert eval_main(["--checkpoint", str(ckpt), "--data-dir", str(cifar_dir), "--max-test-images", str(n),
+                      "--cache-dir", str(tmp_path / "ref-cache"), "--device", "cpu",
+                      "--out", str(tmp_path / "eval1")]) == 0
     record = tmp_path / "record"
     record.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
@@ -240,3 +246,12 @@ def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, 
         assert round(results["test/top1"] * n) == top1 and abs(results["test/top1"] - top1 / n) < 1e-6
         assert round(results["test/top5"] * n) == top5 and abs(results["test/top5"] - top5 / n) < 1e-6
         assert results["test/loss"] == pytest.approx(loss, rel=1e-5)
+    plain_loss = float(F.cross_entropy(logits, labels))
+    confusion = torch.zeros(10, 10, dtype=torch.long).index_put_((labels, logits.argmax(1)), torch.tensor(1),
+                                                                 accumulate=True)
+    for folder in (tmp_path / "eval1", record / "eval"):
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert metrics["num_images"] == n and metrics["test_top1"] == top1 / n and metrics["test_top5"] == top5 / n
+        assert metrics["test_cross_entropy"] == pytest.approx(plain_loss, rel=1e-5)
+        per_class = (confusion.diag() / confusion.sum(1)).tolist()
+        assert list(metrics["per_class_accuracy"].values()) == pytest.approx(per_class, abs=1e-6)

@@ -228,7 +228,8 @@ class ImageDataModule(pl.LightningDataModule):
         a streamed run needs the cache file, so one that could not be written -> ValueError."""
         nbytes = cache["train_images"].nbytes + cache["test_images"].nbytes
         stream = stream_needed(nbytes, device, self.memory_budget)
-        if self._ranks()[0] > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # in the trainer's setup every rank is here together (not so in a rank_zero_first build before it)
+        if self.trainer is not None and self._ranks()[0] > 1 and torch.distributed.is_initialized():
             stream = self.trainer.strategy.reduce_boolean_decision(stream, all=False)
         if stream and (self._cache_file is None or not self._cache_file.is_file()):
             raise ValueError(f"the {nbytes / 2**30:.2f} GiB of decoded images exceed the memory budget on {device} "
@@ -247,10 +248,13 @@ class ImageDataModule(pl.LightningDataModule):
         return torch.device("cpu")
 
     def _ranks(self) -> tuple[int, int]:
-        """``(world size, global rank)`` of the attached trainer, ``(1, 0)`` without one."""
-        if self.trainer is None:
-            return 1, 0
-        return self.trainer.world_size, self.trainer.global_rank
+        """``(world size, global rank)`` of the attached trainer, else of the open process group (an evaluation
+        under torchrun), else ``(1, 0)``."""
+        if self.trainer is not None:
+            return self.trainer.world_size, self.trainer.global_rank
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank()
+        return 1, 0
 
     def _loader(self, dataset: _TensorBatches | MappedBatches | None, name: str, train: bool) -> DataLoader:
         if dataset is None:
