@@ -107,28 +107,36 @@ def test_contiguous_shards_cover_every_image_once(n):
 
 # ----------------------------------------------------------------------------------------- real DDP runs of train.py
 
-def test_ddp_time_budget_stops_every_rank_on_one_step(cifar_dir, tmp_path):
+def test_ddp_time_budget_stops_every_rank_on_one_step_after_a_resume(cifar_dir, tmp_path):
     """Rank 1 starts its clock 3 s after rank 0: a per-rank budget would fit different step counts (and hang or
-    stop apart); the shared decision ends both ranks on one step with the same weights and learning rates."""
-    record = tmp_path / "record"
-    record.mkdir()
-    cmd = [sys.executable, str(DRIVER), "train",
-           *train_args(cifar_dir, tmp_path, "--epochs", "100", "--accelerator", "cpu", "--devices", "2",
-                       "--strategy", "ddp", "--max-time", "00:00:00:20", "--max-train-images", "400",
-                       "--ckpt-every-n-steps", "1000")]
-    run(cmd, clean_env(record, ZOO_TEST_SKEW="3"), tmp_path, timeout=150)
-    rank0, rank1 = records(record, 2)
-    assert rank0["total_steps"] is not None and rank0["total_steps"] == rank1["total_steps"]
-    assert rank0["global_step"] == rank1["global_step"] and rank0["steps"] == rank1["steps"]
-    assert rank0["global_step"] < 100 * rank0["batches_per_epoch"]   # the budget, not the epochs, ended it
-    weights0, weights1 = (torch.load(record / f"rank{r}.pt", weights_only=True) for r in (0, 1))
-    assert weights0.keys() == weights1.keys()
-    assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
+    stop apart). A first part ends after 1 epoch (11 steps, past the budget's measurement, which the driver makes
+    at step 4) and the run resumes with 100 epochs under the same 30 s budget (what the first part spent counted):
+    both ranks take the same steps with the same learning rates, end on one step with the same weights, and
+    summary.json is written once per part, by rank 0."""
+    args = train_args(cifar_dir, tmp_path, "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+                      "--max-time", "00:00:00:30", "--max-train-images", "400", "--ckpt-every-n-steps", "1000")
+    parts = []
+    for part, extra in enumerate((["--epochs", "1"], ["--epochs", "100", "--resume", "auto"])):
+        record = tmp_path / f"record{part}"
+        record.mkdir()
+        run([sys.executable, str(DRIVER), "train", *args, *extra],
+            clean_env(record, ZOO_TEST_SKEW="3", ZOO_TEST_MEASURE="1,3"), tmp_path, timeout=150)
+        rank0, rank1 = records(record, 2)
+        assert rank0["total_steps"] is not None and rank0["total_steps"] == rank1["total_steps"]
+        assert rank0["global_step"] == rank1["global_step"] and rank0["steps"] == rank1["steps"]
+        weights0, weights1 = (torch.load(record / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+        assert weights0.keys() == weights1.keys()
+        assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
+        assert (record / "writes-rank0.txt").read_text().split().count("summary.json") == 1
+        assert not (record / "writes-rank1.txt").exists()
+        parts.append(rank0)
+    first, resumed = parts
+    assert first["global_step"] == first["batches_per_epoch"] == 11
+    assert resumed["steps"][0][0] == first["global_step"] + 1      # it continued where the first part ended
+    assert resumed["global_step"] < 100 * resumed["batches_per_epoch"]   # the budget, not the epochs, ended it
     (run_dir,) = (tmp_path / "runs" / "vit_nano").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["global_step"] == rank0["global_step"] and summary["devices"] == 2
-    assert (record / "writes-rank0.txt").read_text().split().count("summary.json") == 1
-    assert not (record / "writes-rank1.txt").exists()
+    assert summary["global_step"] == resumed["global_step"] and summary["devices"] == 2
 
 
 def test_one_and_two_processes_run_the_same_steps_and_learning_rates(cifar_dir, tmp_path):
