@@ -107,6 +107,21 @@ def test_contiguous_shards_cover_every_image_once(n):
 
 # ----------------------------------------------------------------------------------------- real DDP runs of train.py
 
+def ranks_agree(record: Path) -> dict:
+    """Rank 0's record, once both ranks are seen to have fitted the same step count to the time budget, taken the
+    same steps with the same learning rates and ended with bit-identical weights, and rank 0 alone wrote
+    summary.json, once."""
+    rank0, rank1 = records(record, 2)
+    assert rank0["total_steps"] is not None and rank0["total_steps"] == rank1["total_steps"]
+    assert rank0["global_step"] == rank1["global_step"] and rank0["steps"] == rank1["steps"]
+    weights0, weights1 = (torch.load(record / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert weights0.keys() == weights1.keys()
+    assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
+    assert (record / "writes-rank0.txt").read_text().split().count("summary.json") == 1
+    assert not (record / "writes-rank1.txt").exists()
+    return rank0
+
+
 def test_ddp_time_budget_stops_every_rank_on_one_step_after_a_resume(cifar_dir, tmp_path):
     """Rank 1 starts its clock 3 s after rank 0: a per-rank budget would fit different step counts (and hang or
     stop apart). A first part ends after 1 epoch (11 steps, past the budget's measurement, which the driver makes
@@ -121,15 +136,7 @@ def test_ddp_time_budget_stops_every_rank_on_one_step_after_a_resume(cifar_dir, 
         record.mkdir()
         run([sys.executable, str(DRIVER), "train", *args, *extra],
             clean_env(record, ZOO_TEST_SKEW="3", ZOO_TEST_MEASURE="1,3"), tmp_path, timeout=150)
-        rank0, rank1 = records(record, 2)
-        assert rank0["total_steps"] is not None and rank0["total_steps"] == rank1["total_steps"]
-        assert rank0["global_step"] == rank1["global_step"] and rank0["steps"] == rank1["steps"]
-        weights0, weights1 = (torch.load(record / f"rank{r}.pt", weights_only=True) for r in (0, 1))
-        assert weights0.keys() == weights1.keys()
-        assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
-        assert (record / "writes-rank0.txt").read_text().split().count("summary.json") == 1
-        assert not (record / "writes-rank1.txt").exists()
-        parts.append(rank0)
+        parts.append(ranks_agree(record))
     first, resumed = parts
     assert first["global_step"] == first["batches_per_epoch"] == 11
     assert resumed["steps"][0][0] == first["global_step"] + 1      # it continued where the first part ended
@@ -139,24 +146,55 @@ def test_ddp_time_budget_stops_every_rank_on_one_step_after_a_resume(cifar_dir, 
     assert summary["global_step"] == resumed["global_step"] and summary["devices"] == 2
 
 
-def test_one_and_two_processes_run_the_same_steps_and_learning_rates(cifar_dir, tmp_path):
-    """batch_size 32 is the global batch: 160 training images give 160 // 32 = 5 steps per epoch on any number of
-    processes, with the same learning rate at each step."""
-    seen = {}
-    for devices in (1, 2):
-        record = tmp_path / f"record{devices}"
+@pytest.mark.slow
+def test_two_minute_ddp_runs_end_together_five_times(cifar_dir, tmp_path):
+    """train.py --devices 2 --strategy ddp --max-time 00:00:02:00, five times (the budget measured as in a real
+    run): each ends, without a hang, with both ranks on one step and identical weights, summary.json written once."""
+    for repeat in range(5):
+        root, record = tmp_path / str(repeat), tmp_path / f"record{repeat}"
         record.mkdir()
-        cmd = [sys.executable, str(DRIVER), "train",
-               *train_args(cifar_dir, tmp_path / str(devices), "--epochs", "2", "--accelerator", "cpu",
-                           "--devices", str(devices), *(["--strategy", "ddp"] if devices > 1 else []))]
-        run(cmd, clean_env(record), tmp_path)
-        seen[devices] = records(record, devices)
+        args = train_args(cifar_dir, root, "--epochs", "1000", "--accelerator", "cpu", "--devices", "2",
+                          "--strategy", "ddp", "--max-time", "00:00:02:00", "--max-train-images", "2000",
+                          "--ckpt-every-n-steps", "1000")
+        run([sys.executable, str(DRIVER), "train", *args], clean_env(record), tmp_path, timeout=600)
+        rank0 = ranks_agree(record)
+        (run_dir,) = (root / "runs" / "vit_nano").iterdir()
+        assert json.loads((run_dir / "summary.json").read_text())["global_step"] == rank0["global_step"]
+
+
+def test_one_process_and_two_slurm_tasks_run_the_same_steps_and_learning_rates(cifar_dir, tmp_path):
+    """batch_size 32 is the global batch: 160 training images give 160 // 32 = 5 steps per epoch on one process
+    and on two tasks started as srun would (SLURM_* variables, no launcher of Lightning's), with the same
+    learning rate at each step; the two tasks share one run directory, which rank 0 alone writes."""
+    record = tmp_path / "record1"
+    record.mkdir()
+    cmd = [sys.executable, str(DRIVER), "train",
+           *train_args(cifar_dir, tmp_path / "1", "--epochs", "2", "--accelerator", "cpu", "--devices", "1")]
+    run(cmd, clean_env(record), tmp_path)
+    (single,) = records(record, 1)
+    record = tmp_path / "record2"
+    record.mkdir()
+    cmd = [sys.executable, str(DRIVER), "train",
+           *train_args(cifar_dir, tmp_path / "2", "--epochs", "2", "--accelerator", "cpu", "--devices", "2",
+                       "--strategy", "ddp")]
+    port = str(free_port())
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=clean_env(record, SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1",
+                                            SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NODEID="0",
+                                            SLURM_JOB_ID="4242", SLURM_JOB_NAME="zoo", MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=port))
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    (run_dir,) = (tmp_path / "2" / "runs" / "vit_nano").iterdir()
+    assert outs[0][0].strip().splitlines()[-1] == outs[1][0].strip().splitlines()[-1] == str(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["devices"] == 2
+    assert not (record / "writes-rank1.txt").exists()
     expected_steps = (200 - 40) // 32
-    for ranks in seen.values():
-        for rank in ranks:
-            assert rank["batches_per_epoch"] == expected_steps and rank["global_step"] == 2 * expected_steps
-    assert [s for s, _ in seen[1][0]["steps"]] == list(range(1, 2 * expected_steps + 1))
-    assert seen[1][0]["steps"] == seen[2][0]["steps"] == seen[2][1]["steps"]
+    for rank in (single, *records(record, 2)):
+        assert rank["batches_per_epoch"] == expected_steps and rank["global_step"] == 2 * expected_steps
+        assert rank["steps"] == single["steps"]
+    assert [s for s, _ in single["steps"]] == list(range(1, 2 * expected_steps + 1))
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank(cifar_dir, tmp_path):
@@ -193,28 +231,6 @@ def test_torchrun_two_processes_share_one_resumable_run(cifar_dir, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 10
     rank0, rank1 = records(record, 2)
     assert [s for s, _ in rank0["steps"]] == list(range(6, 11)) and rank0["steps"] == rank1["steps"]
-
-
-def test_simulated_slurm_tasks_share_one_run(cifar_dir, tmp_path):
-    """Two tasks started as srun would (SLURM_* variables, no launcher of Lightning's)."""
-    record = tmp_path / "record"
-    record.mkdir()
-    cmd = [sys.executable, str(DRIVER), "train",
-           *train_args(cifar_dir, tmp_path, "--epochs", "1", "--accelerator", "cpu", "--devices", "2",
-                       "--strategy", "ddp")]
-    port = str(free_port())
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=clean_env(record, SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1",
-                                            SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NODEID="0",
-                                            SLURM_JOB_ID="4242", SLURM_JOB_NAME="zoo", MASTER_ADDR="127.0.0.1",
-                                            MASTER_PORT=port))
-             for r in (0, 1)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
-    (run_dir,) = (tmp_path / "runs" / "vit_nano").iterdir()
-    assert outs[0][0].strip().splitlines()[-1] == outs[1][0].strip().splitlines()[-1] == str(run_dir)
-    assert json.loads((run_dir / "summary.json").read_text())["devices"] == 2
-    assert not (record / "writes-rank1.txt").exists()
 
 
 # ----------------------------------------------------------------------------------------- exact evaluation
