@@ -4,9 +4,11 @@
         $ZOO_TEST_RECORD/rank<R>.json (the (global step, learning rate) of every optimizer step, the time budget's
         fitted step count, batches per epoch) and rank<R>.pt (its final weights), and every summary.json / config.yaml
         write is logged to writes-rank<R>.txt. ZOO_TEST_SKEW=S makes rank 1 start its clock S seconds late;
-        ZOO_TEST_NAN_AT=K flags a non-finite loss on rank 1 alone at step K.
-    python ddp_driver.py test CKPT DATA_DIR N DEVICES CACHE_DIR   Lightning's test of CKPT (``lightning_test``) on N
-        test images with DEVICES CPU processes; rank 0 writes $ZOO_TEST_RECORD/test.json with the logged metrics."""
+        ZOO_TEST_NAN_AT=K flags a non-finite loss on rank 1 alone at step K; ZOO_TEST_MEASURE=SKIP,STEPS makes the
+        time budget measure the step time over STEPS steps after SKIP (a short test reaches its decision sooner).
+    python ddp_driver.py test CKPT DATA_DIR N DEVICES CACHE_DIR   eval.py --checkpoint CKPT on N test images (its
+        files in $ZOO_TEST_RECORD/eval), then Lightning's test of CKPT (``lightning_test``) with DEVICES CPU
+        processes; rank 0 writes $ZOO_TEST_RECORD/test.json with the logged metrics."""
 
 from __future__ import annotations
 
@@ -54,12 +56,17 @@ class Recorder(pl.Callback):
 
 def train(argv: list[str]) -> int:
     from zoo.train import cli, fit, runs
+    from zoo.train.callbacks import TimeBudget
 
     build_callbacks, write_json, write = fit.build_callbacks, fit.atomic_write_json, runs.atomic_write
 
     def with_recorder(plan, spent_s=0.0):
         callbacks = build_callbacks(plan, spent_s)
         callbacks.all.insert(0, Recorder())
+        if os.environ.get("ZOO_TEST_MEASURE"):
+            skip, steps = map(int, os.environ["ZOO_TEST_MEASURE"].split(","))
+            for budget in (c for c in callbacks.all if isinstance(c, TimeBudget)):
+                budget.skip_steps, budget.measure_steps = skip, steps
         return callbacks
 
     def logged(writer):
@@ -95,6 +102,12 @@ if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "train":
         sys.exit(train(args))
+    from zoo.explain.cli import main as eval_main
+
+    code = eval_main(["--checkpoint", args[0], "--data-dir", args[1], "--max-test-images", args[2], "--cache-dir",
+                      args[4], "--device", "cpu", "--batch-size", "64", "--out", str(RECORD / "eval")])
+    if code:
+        sys.exit(code)
     results = lightning_test(args[0], args[1], int(args[2]), int(args[3]), args[4])
     if results is not None:
         (RECORD / "test.json").write_text(json.dumps(results))

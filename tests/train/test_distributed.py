@@ -107,48 +107,94 @@ def test_contiguous_shards_cover_every_image_once(n):
 
 # ----------------------------------------------------------------------------------------- real DDP runs of train.py
 
-def test_ddp_time_budget_stops_every_rank_on_one_step(cifar_dir, tmp_path):
-    """Rank 1 starts its clock 3 s after rank 0: a per-rank budget would fit different step counts (and hang or
-    stop apart); the shared decision ends both ranks on one step with the same weights and learning rates."""
-    record = tmp_path / "record"
-    record.mkdir()
-    cmd = [sys.executable, str(DRIVER), "train",
-           *train_args(cifar_dir, tmp_path, "--epochs", "100", "--accelerator", "cpu", "--devices", "2",
-                       "--strategy", "ddp", "--max-time", "00:00:00:20", "--max-train-images", "400",
-                       "--ckpt-every-n-steps", "1000")]
-    run(cmd, clean_env(record, ZOO_TEST_SKEW="3"), tmp_path, timeout=150)
+def ranks_agree(record: Path) -> dict:
+    """Rank 0's record, once both ranks are seen to have fitted the same step count to the time budget, taken the
+    same steps with the same learning rates and ended with bit-identical weights, and rank 0 alone wrote
+    summary.json, once."""
     rank0, rank1 = records(record, 2)
     assert rank0["total_steps"] is not None and rank0["total_steps"] == rank1["total_steps"]
     assert rank0["global_step"] == rank1["global_step"] and rank0["steps"] == rank1["steps"]
-    assert rank0["global_step"] < 100 * rank0["batches_per_epoch"]   # the budget, not the epochs, ended it
     weights0, weights1 = (torch.load(record / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert weights0.keys() == weights1.keys()
     assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
-    (run_dir,) = (tmp_path / "runs" / "vit_nano").iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["global_step"] == rank0["global_step"] and summary["devices"] == 2
     assert (record / "writes-rank0.txt").read_text().split().count("summary.json") == 1
     assert not (record / "writes-rank1.txt").exists()
+    return rank0
 
 
-def test_one_and_two_processes_run_the_same_steps_and_learning_rates(cifar_dir, tmp_path):
-    """batch_size 32 is the global batch: 160 training images give 160 // 32 = 5 steps per epoch on any number of
-    processes, with the same learning rate at each step."""
-    seen = {}
-    for devices in (1, 2):
-        record = tmp_path / f"record{devices}"
+def test_ddp_time_budget_stops_every_rank_on_one_step_after_a_resume(cifar_dir, tmp_path):
+    """Rank 1 starts its clock 3 s after rank 0: a per-rank budget would fit different step counts (and hang or
+    stop apart). A first part ends after 1 epoch (11 steps, past the budget's measurement, which the driver makes
+    at step 4) and the run resumes with 100 epochs under the same 30 s budget (what the first part spent counted):
+    both ranks take the same steps with the same learning rates, end on one step with the same weights, and
+    summary.json is written once per part, by rank 0."""
+    args = train_args(cifar_dir, tmp_path, "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+                      "--max-time", "00:00:00:30", "--max-train-images", "400", "--ckpt-every-n-steps", "1000")
+    parts = []
+    for part, extra in enumerate((["--epochs", "1"], ["--epochs", "100", "--resume", "auto"])):
+        record = tmp_path / f"record{part}"
         record.mkdir()
-        cmd = [sys.executable, str(DRIVER), "train",
-               *train_args(cifar_dir, tmp_path / str(devices), "--epochs", "2", "--accelerator", "cpu",
-                           "--devices", str(devices), *(["--strategy", "ddp"] if devices > 1 else []))]
-        run(cmd, clean_env(record), tmp_path)
-        seen[devices] = records(record, devices)
+        run([sys.executable, str(DRIVER), "train", *args, *extra],
+            clean_env(record, ZOO_TEST_SKEW="3", ZOO_TEST_MEASURE="1,3"), tmp_path, timeout=150)
+        parts.append(ranks_agree(record))
+    first, resumed = parts
+    assert first["global_step"] == first["batches_per_epoch"] == 11
+    assert resumed["steps"][0][0] == first["global_step"] + 1      # it continued where the first part ended
+    assert resumed["global_step"] < 100 * resumed["batches_per_epoch"]   # the budget, not the epochs, ended it
+    (run_dir,) = (tmp_path / "runs" / "vit_nano").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == resumed["global_step"] and summary["devices"] == 2
+
+
+@pytest.mark.slow
+def test_two_minute_ddp_runs_end_together_five_times(cifar_dir, tmp_path):
+    """train.py --devices 2 --strategy ddp --max-time 00:00:02:00, five times (the budget measured as in a real
+    run): each ends, without a hang, with both ranks on one step and identical weights, summary.json written once."""
+    for repeat in range(5):
+        root, record = tmp_path / str(repeat), tmp_path / f"record{repeat}"
+        record.mkdir()
+        args = train_args(cifar_dir, root, "--epochs", "1000", "--accelerator", "cpu", "--devices", "2",
+                          "--strategy", "ddp", "--max-time", "00:00:02:00", "--max-train-images", "2000",
+                          "--ckpt-every-n-steps", "1000")
+        run([sys.executable, str(DRIVER), "train", *args], clean_env(record), tmp_path, timeout=600)
+        rank0 = ranks_agree(record)
+        (run_dir,) = (root / "runs" / "vit_nano").iterdir()
+        assert json.loads((run_dir / "summary.json").read_text())["global_step"] == rank0["global_step"]
+
+
+def test_one_process_and_two_slurm_tasks_run_the_same_steps_and_learning_rates(cifar_dir, tmp_path):
+    """batch_size 32 is the global batch: 160 training images give 160 // 32 = 5 steps per epoch on one process
+    and on two tasks started as srun would (SLURM_* variables, no launcher of Lightning's), with the same
+    learning rate at each step; the two tasks share one run directory, which rank 0 alone writes."""
+    record = tmp_path / "record1"
+    record.mkdir()
+    cmd = [sys.executable, str(DRIVER), "train",
+           *train_args(cifar_dir, tmp_path / "1", "--epochs", "2", "--accelerator", "cpu", "--devices", "1")]
+    run(cmd, clean_env(record), tmp_path)
+    (single,) = records(record, 1)
+    record = tmp_path / "record2"
+    record.mkdir()
+    cmd = [sys.executable, str(DRIVER), "train",
+           *train_args(cifar_dir, tmp_path / "2", "--epochs", "2", "--accelerator", "cpu", "--devices", "2",
+                       "--strategy", "ddp")]
+    port = str(free_port())
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=clean_env(record, SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1",
+                                            SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NODEID="0",
+                                            SLURM_JOB_ID="4242", SLURM_JOB_NAME="zoo", MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=port))
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    (run_dir,) = (tmp_path / "2" / "runs" / "vit_nano").iterdir()
+    assert outs[0][0].strip().splitlines()[-1] == outs[1][0].strip().splitlines()[-1] == str(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["devices"] == 2
+    assert not (record / "writes-rank1.txt").exists()
     expected_steps = (200 - 40) // 32
-    for ranks in seen.values():
-        for rank in ranks:
-            assert rank["batches_per_epoch"] == expected_steps and rank["global_step"] == 2 * expected_steps
-    assert [s for s, _ in seen[1][0]["steps"]] == list(range(1, 2 * expected_steps + 1))
-    assert seen[1][0]["steps"] == seen[2][0]["steps"] == seen[2][1]["steps"]
+    for rank in (single, *records(record, 2)):
+        assert rank["batches_per_epoch"] == expected_steps and rank["global_step"] == 2 * expected_steps
+        assert rank["steps"] == single["steps"]
+    assert [s for s, _ in single["steps"]] == list(range(1, 2 * expected_steps + 1))
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank(cifar_dir, tmp_path):
@@ -187,37 +233,18 @@ def test_torchrun_two_processes_share_one_resumable_run(cifar_dir, tmp_path):
     assert [s for s, _ in rank0["steps"]] == list(range(6, 11)) and rank0["steps"] == rank1["steps"]
 
 
-def test_simulated_slurm_tasks_share_one_run(cifar_dir, tmp_path):
-    """Two tasks started as srun would (SLURM_* variables, no launcher of Lightning's)."""
-    record = tmp_path / "record"
-    record.mkdir()
-    cmd = [sys.executable, str(DRIVER), "train",
-           *train_args(cifar_dir, tmp_path, "--epochs", "1", "--accelerator", "cpu", "--devices", "2",
-                       "--strategy", "ddp")]
-    port = str(free_port())
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=clean_env(record, SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1",
-                                            SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NODEID="0",
-                                            SLURM_JOB_ID="4242", SLURM_JOB_NAME="zoo", MASTER_ADDR="127.0.0.1",
-                                            MASTER_PORT=port))
-             for r in (0, 1)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
-    (run_dir,) = (tmp_path / "runs" / "vit_nano").iterdir()
-    assert outs[0][0].strip().splitlines()[-1] == outs[1][0].strip().splitlines()[-1] == str(run_dir)
-    assert json.loads((run_dir / "summary.json").read_text())["devices"] == 2
-    assert not (record / "writes-rank1.txt").exists()
-
-
 # ----------------------------------------------------------------------------------------- exact evaluation
 
-def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, tmp_path):
-    """301 test images do not divide among 3 processes (a padding sampler would count 303); the logged top-1 /
-    top-5 / loss equal a plain single-process loop over the 301 images."""
+@pytest.mark.parametrize("n", [301, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, tmp_path, n):
+    """301 test images (or all 10,000) do not divide among 3 processes (a padding sampler would count 303 or
+    10,002); Lightning's logged top-1 / top-5 / loss and eval.py's metrics.json equal a plain single-process loop
+    over the images, on 1 process and on 3 (torchrun)."""
+    from zoo.explain.cli import main as eval_main
     from zoo.train.data import ImageDataModule
     from zoo.train.module import ImageClassifier
 
-    n, ckpt = 301, tiny_run / "checkpoints" / "last.ckpt"
+    ckpt = tiny_run / "checkpoints" / "last.ckpt"
     module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", tta=0).eval()
     dm = ImageDataModule(cifar_dir, max_test_images=n, splits=("test",), cache_dir=tmp_path / "ref-cache")
     dm.setup("test")
@@ -230,6 +257,9 @@ def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, 
     top5 = int((logits.topk(5, dim=1).indices == labels[:, None]).any(1).sum())
     loss = float(F.cross_entropy(logits, labels, label_smoothing=module.hparams.label_smoothing))
     one = lightning_test(str(ckpt), str(cifar_dir), n, 1, str(tmp_path / "ref-cache"))
+    assert eval_main(["--checkpoint", str(ckpt), "--data-dir", str(cifar_dir), "--max-test-images", str(n),
+                      "--cache-dir", str(tmp_path / "ref-cache"), "--device", "cpu",
+                      "--out", str(tmp_path / "eval1")]) == 0
     record = tmp_path / "record"
     record.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
@@ -240,3 +270,12 @@ def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, 
         assert round(results["test/top1"] * n) == top1 and abs(results["test/top1"] - top1 / n) < 1e-6
         assert round(results["test/top5"] * n) == top5 and abs(results["test/top5"] - top5 / n) < 1e-6
         assert results["test/loss"] == pytest.approx(loss, rel=1e-5)
+    plain_loss = float(F.cross_entropy(logits, labels))
+    confusion = torch.zeros(10, 10, dtype=torch.long).index_put_((labels, logits.argmax(1)), torch.tensor(1),
+                                                                 accumulate=True)
+    for folder in (tmp_path / "eval1", record / "eval"):
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert metrics["num_images"] == n and metrics["test_top1"] == top1 / n and metrics["test_top5"] == top5 / n
+        assert metrics["test_cross_entropy"] == pytest.approx(plain_loss, rel=1e-5)
+        per_class = (confusion.diag() / confusion.sum(1)).tolist()
+        assert list(metrics["per_class_accuracy"].values()) == pytest.approx(per_class, abs=1e-6)

@@ -10,6 +10,8 @@
     python eval.py --bench-suite --out bench [--data-dir DIR]
 
 User errors (missing / truncated / foreign checkpoint, missing data) print one line and exit with code 2.
+Under torchrun / SLURM, --checkpoint / --pretrained split the test set among the processes (each image counted
+once; rank 0 writes and prints); the other modes run on one device, rank 0's, and say so in one line.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"eval.py: error: {err}", file=sys.stderr)
         return 2
+    launched = one_device_under_launcher(args)
+    if launched is not None:
+        return launched
     from zoo.explain.report import check_out_dir, compare_runs, evaluate_run
 
     try:
@@ -131,6 +136,10 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as err:  # zoo.train.data.DataError is a ValueError
         print(f"eval.py: error: {err}".splitlines()[0], file=sys.stderr)
         return 2
+    from zoo.train.distributed import is_global_zero
+
+    if not is_global_zero():
+        return 0
     m = report["metrics"]
     print(f"{m['model']}: test top-1 {m['test_top1']:.4f}, top-5 {m['test_top5']:.4f}, "
           f"cross-entropy {m['test_cross_entropy']:.4f} on {m['num_images']} images")
@@ -142,3 +151,21 @@ def main(argv=None) -> int:
         print("benchmark: " + json.dumps(report["benchmark"]))
     print(f"wrote {args.out}")
     return 0
+
+
+def one_device_under_launcher(args: argparse.Namespace) -> int | None:
+    """Under torchrun / SLURM with several processes, the modes other than --checkpoint / --pretrained run on
+    rank 0 alone: rank 0 says so in one line and goes on (None), the other ranks exit with 0."""
+    if args.checkpoint or args.pretrained:
+        return None
+    from zoo.train.distributed import external_environment
+
+    environment = external_environment()
+    if environment is None or environment.world_size() <= 1:
+        return None
+    if environment.global_rank() != 0:
+        return 0
+    mode = next(flag for flag in ("compare", "faithfulness", "bench_suite") if getattr(args, flag))
+    print(f"eval.py --{mode.replace('_', '-')} runs on one device: rank 0 runs it, the other "
+          f"{environment.world_size() - 1} processes exit")
+    return None

@@ -1,7 +1,8 @@
 """Evaluating trained runs, what ``eval.py`` calls: test metrics with a confusion matrix and the most confused
 class pairs, attention / CBAM figures for a few test images, the deletion test (zoo.explain), speed
 (zoo.bench), and a side-by-side comparison of several runs. Every function writes into an output folder and
-returns what it wrote, so a notebook can do what the command line does.
+returns what it wrote, so a notebook can do what the command line does. Under torchrun / SLURM, ``evaluate_run``
+splits the test set among the processes (contiguous, unpadded shards: each image counted once) and rank 0 writes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..bench.timing import benchmark_model, measure_inference
 from ..models.checkpoints import load_run, load_shipped
 from ..train.data import DataError, ImageDataModule, data_class_names
 from ..train.device import eval_device
+from ..train.distributed import is_global_zero, open_process_group, rank_zero_first
 from . import figures as viz
 from .faithfulness import deletion_test
 from .leaderboard import best_method, read_csv
@@ -81,8 +83,10 @@ def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int 
 
 
 def progress(line: str) -> None:
-    """A stage of the work on stderr (standard output holds the results), so a long evaluation is not silent."""
-    print(line, file=sys.stderr, flush=True)
+    """A stage of the work on stderr (standard output holds the results), so a long evaluation is not silent;
+    rank 0's only under several processes."""
+    if is_global_zero():
+        print(line, file=sys.stderr, flush=True)
 
 
 def most_confused(matrix: torch.Tensor, class_names: Sequence[str], top: int = 5) -> list[dict]:
@@ -107,7 +111,8 @@ def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]
     """Test-set metrics of ``model`` on ``dm`` (set up for "test"): ({"test_top1", "test_top5",
     "test_cross_entropy" (plain: no label smoothing, no test-time augmentation), "per_class_accuracy":
     {name: fraction}, "most_confused": [...], "num_images"},
-    confusion matrix (C, C))."""
+    confusion matrix (C, C)). With a process group open, each rank evaluates its share of the test set
+    (``dm.test_dataloader``) and every rank returns the metrics of the whole set."""
     device = next(model.parameters()).device
     model.eval()
     c = dm.num_classes
@@ -115,7 +120,8 @@ def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]
     top1 = top5 = loss = 0.0
     count = 0
     loader = dm.test_dataloader()  # a bar on a terminal only (disable=None): logs get the stage lines
-    for images, labels in tqdm(loader, desc="test", unit="batch", leave=False, file=sys.stderr, disable=None):
+    bar_off = None if is_global_zero() else True
+    for images, labels in tqdm(loader, desc="test", unit="batch", leave=False, file=sys.stderr, disable=bar_off):
         images, labels = dm.normalize(images.to(device)), labels.to(device)
         logits = model(images).float()
         loss += F.cross_entropy(logits, labels, reduction="sum").item()
@@ -124,7 +130,9 @@ def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]
         top5 += (best == labels[:, None]).any(dim=1).sum().item()
         confusion.update(best[:, 0], labels)
         count += len(labels)
-    matrix = confusion.compute().cpu()
+    matrix = confusion.compute().cpu()  # torchmetrics sums the ranks' matrices when a process group is open
+    top1, top5, loss, count = _sum_over_ranks([top1, top5, loss, count], device)
+    count = int(count)
     per_class = matrix.diag().float() / matrix.sum(dim=1).clamp_min(1)
     metrics = {
         "num_images": count, "test_top1": top1 / count, "test_top5": top5 / count,
@@ -133,6 +141,16 @@ def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]
         "most_confused": most_confused(matrix, dm.class_names),
     }
     return metrics, matrix
+
+
+def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """``values`` summed over the ranks of the open process group (unchanged without one); float64, so counts
+    stay exact."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    sums = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(sums)
+    return [float(v) for v in sums.tolist()]
 
 
 def spread_test_images(dm: ImageDataModule, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,22 +212,27 @@ def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: 
     into ``out``: metrics.json and confusion_matrix.png; with ``attention_images`` an attention/ folder; with
     ``deletion_images`` deletion.json/.png; with ``benchmark`` benchmark.json. Returns {"metrics",
     "deletion", "benchmark"} (None where not asked). ``device``: None -> the GPU when there is one. Every check
-    (device, checkpoint, the data's classes against the run's) comes before anything is decoded or written."""
+    (device, checkpoint, the data's classes against the run's) comes before anything is decoded or written.
+    Under torchrun / SLURM the metrics are computed over all processes (the GPU of each one's local rank) and
+    rank 0 alone writes and runs the rest; the other ranks return the metrics."""
     out = Path(out)
     device = eval_device(device)
+    open_process_group("gpu" if device.type == "cuda" else "cpu")
     model, meta = load_shipped(pretrained) if pretrained else load_run(checkpoint)
     check_data_classes(meta, data_dir)
     check_out_dir(out)
     model.to(device)
     name = meta["model_name"]
     progress(f"{name}: reading the test images (decoded once into the cache)")
-    dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=max_test_images,
-                         cache_dir=cache_dir)
+    dm = rank_zero_first(lambda: data_module_for(meta, data_dir=data_dir, batch_size=batch_size,
+                                                 max_test_images=max_test_images, cache_dir=cache_dir))
     if pretrained:  # normalised as the weights were trained, whatever the statistics of this copy of the data
         dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
     progress(f"{name}: testing on {len(dm.test_dataset.labels):,} images on {device}")
     metrics, matrix = evaluate(model, dm)
     metrics = {"model": name, "checkpoint": meta["ckpt_path"], **metrics}
+    if not is_global_zero():
+        return {"metrics": metrics, "deletion": None, "benchmark": None}
     atomic_write_json(out / "metrics.json", metrics)
     viz.save(viz.confusion_matrix_figure(matrix, dm.class_names, title=f"{name}: test confusion matrix "
                                          f"(top-1 {metrics['test_top1']:.3f})"), out / "confusion_matrix.png")

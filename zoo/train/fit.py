@@ -153,7 +153,7 @@ def build_datamodule(recipe: Recipe) -> ImageDataModule:
         recipe.data_dir, download=recipe.download, img_size=recipe.img_size, batch_size=recipe.batch_size,
         eval_batch_size=recipe.eval_batch_size, val_size=recipe.val_size, seed=recipe.seed,
         augment=asdict(recipe.augment), cache_dir=recipe.cache_dir, max_train_images=recipe.max_train_images,
-        max_test_images=recipe.max_test_images)
+        max_test_images=recipe.max_test_images, memory_budget=recipe.data_memory_budget)
     dm.prepare_data()
     dm.setup("fit")
     return dm
@@ -171,7 +171,7 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
         no_decay_lr_scale=recipe.no_decay_lr_scale, schedule=recipe.schedule, tta=recipe.tta)
     # a resumed run's checkpoint holds its filters; fit_whitening=false keeps the random ones (the ablation)
     if plan.resume_from is None and module.whitening_layers and recipe.fit_whitening:
-        module.fit_whitening(dm.normalize(dm.train_dataset.images[:WHITENING_IMAGES]))
+        module.fit_whitening(dm.normalize(dm.train_dataset[:WHITENING_IMAGES][0]))  # read alone when streamed
     if recipe.init_from and plan.resume_from is None:
         print(init_from(module.model, recipe.init_from, allow_partial=recipe.init_partial).summary())
     return module

@@ -161,6 +161,9 @@ class Recipe:
                                          optional_check(integer_check(1)))
     cache_dir: str | None = _field(None, "where the decoded uint8 cache goes (null: beside the data or ~/.cache)",
                                    optional_check(text_check))
+    data_memory_budget: float | None = _field(
+        None, "GiB of device memory the decoded images may take; above it batches stream from the memory-mapped "
+        "cache file (null: half of the device's free memory)", optional_check(number_check))
     # hardware and run control
     seed: int = _field(0, "seeds the split, the subsets, the shuffling and the weights", integer_check(0))
     precision: str = _field("auto", "auto, 32, bf16-mixed or 16-mixed", precision_check)

@@ -2,7 +2,8 @@
 the class names, the training split's per-channel mean and std, a fingerprint of the data files and a CRC32
 of the tensors. It lives in the user cache directory (``$XDG_CACHE_HOME/zoo``, else ``~/.cache/zoo``), in a
 folder named by a hash of the data path, or in an explicit ``cache_dir``, and never in the data folder. It is
-written atomically (zoo.atomic: a temporary file in the same folder, then ``os.replace``); a truncated,
+written atomically (zoo.atomic: a temporary file in the same folder, then ``os.replace``) and read through a
+memory map (what the streamed data path reads its batches from); a truncated,
 corrupt or stale cache is rebuilt from the data files, with a warning."""
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def read_cache(path: Path, expected_fingerprint: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        cache = torch.load(path, weights_only=True)
+        cache = torch.load(path, weights_only=True, mmap=True)  # mapped: pages are read as they are used
         whole = cache["version"] == CACHE_VERSION and cache["checksum"] == checksum(cache)
     except Exception as err:  # a truncated / corrupt file fails in torch.load or zipfile in many ways
         whole, reason = False, f"{type(err).__name__}: {' '.join(str(err).split())}"

@@ -1,6 +1,8 @@
 """The LightningDataModule of training and evaluation: CIFAR-10 or any ImageFolder tree (found by ``layout``),
 decoded once into a uint8 tensor cache (``decode``, ``cache``), held in memory (on the GPU when the trainer
 trains on one) and served in whole batches by a plain Dataset whose ``__getitems__`` indexes the tensors once.
+When the images would exceed a memory budget on the device (``stream``), they stay in the memory-mapped cache
+file instead and DataLoader workers read the same batches from it (pinned on CUDA).
 Its dataloaders yield uint8 (B, 3, H, W) images with int64 (B,) labels; ``on_after_batch_transfer`` turns them
 into float images normalised with the training split's mean/std and, in training, applies the batched
 augmentation of ``augment``."""
@@ -13,12 +15,14 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.data import suggested_max_num_workers
 from torch.utils.data import DataLoader, Dataset
 
 from ..distributed import ContiguousShard, GlobalBatchShard
 from .augment import AlternatingFlip, BatchAugment, augment_config
 from .cache import cache_path, load_or_build
 from .layout import find_layout
+from .stream import MappedBatches, stream_needed
 
 __all__ = ["ImageDataModule"]
 
@@ -57,11 +61,15 @@ def _as_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, t
     return batch
 
 
-def _check_arguments(sizes: dict[str, int | None], device_cache: str | torch.device) -> None:
-    """ValueError unless each size is None or an int >= 1 (``val_size``: >= 0) and ``device_cache`` is "auto"
-    or names a device."""
+def _check_arguments(sizes: dict[str, int | None], device_cache: str | torch.device,
+                     memory_budget: float | None) -> None:
+    """ValueError unless each size is None or an int >= 1 (``val_size``, ``stream_workers``: >= 0),
+    ``device_cache`` is "auto" or names a device and ``memory_budget`` is None or a number >= 0."""
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                      or not memory_budget >= 0):
+        raise ValueError(f"memory_budget must be None or a number of GiB >= 0, got {memory_budget!r}")
     for name, value in sizes.items():
-        low = 0 if name == "val_size" else 1
+        low = 0 if name in ("val_size", "stream_workers") else 1
         if value is not None and (not isinstance(value, int) or value < low):
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if device_cache != "auto":
@@ -92,6 +100,10 @@ class ImageDataModule(pl.LightningDataModule):
         max_train_images / max_test_images: seeded random subsets (only the chosen files are decoded).
         splits: the splits to decode, ("train", "test") or ("test",) for evaluation: a test-only module has no
             mean / std of its own (give them with ``use_normalization``) and cannot be set up for "fit".
+        memory_budget: GiB of device memory the decoded images (all splits) may take; above it they stream from
+            the memory-mapped cache file (``streamed`` is then True). None: half of the device's free memory.
+        stream_workers: DataLoader workers of the streamed path (None: Lightning's suggestion for the CPU
+            cores per device, at most 8).
 
     After ``setup``: ``num_classes``, ``class_names``, ``mean``, ``std`` (3-tuples in [0, 1] units, of the
     whole train split), ``img_size``, and the datasets ``train_dataset`` / ``val_dataset`` / ``test_dataset``
@@ -114,11 +126,14 @@ class ImageDataModule(pl.LightningDataModule):
         max_train_images: int | None = None,
         max_test_images: int | None = None,
         splits: Sequence[str] = ("train", "test"),
+        memory_budget: float | None = None,
+        stream_workers: int | None = None,
     ):
         super().__init__()
         _check_arguments({"img_size": img_size, "batch_size": batch_size, "eval_batch_size": eval_batch_size,
                           "val_size": val_size, "max_train_images": max_train_images,
-                          "max_test_images": max_test_images}, device_cache)
+                          "max_test_images": max_test_images, "stream_workers": stream_workers}, device_cache,
+                         memory_budget)
         if "test" not in splits or not set(splits) <= {"train", "test"}:
             raise ValueError(f"splits must be ('train', 'test') or ('test',), got {splits!r}")
         self.save_hyperparameters()
@@ -135,12 +150,15 @@ class ImageDataModule(pl.LightningDataModule):
         self.max_train_images = max_train_images
         self.max_test_images = max_test_images
         self.splits = tuple(splits)
+        self.memory_budget, self.stream_workers = memory_budget, stream_workers
+        self.streamed: bool | None = None  # decided in setup
         self.num_classes: int | None = None
         self.class_names: list[str] | None = None
         self.mean: tuple[float, float, float] | None = None
         self.std: tuple[float, float, float] | None = None
         self.train_dataset = self.val_dataset = self.test_dataset = None
         self._cache: dict | None = None
+        self._cache_file: Path | None = None
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._shuffle = torch.Generator().manual_seed(seed)
         self._augment: BatchAugment | None = None  # built once num_classes is known
@@ -164,7 +182,8 @@ class ImageDataModule(pl.LightningDataModule):
 
     def _load_or_build(self) -> dict:
         layout, source = find_layout(self.data_dir, self.download)
-        return load_or_build(layout, source, self.cache_path(source), self.img_size, self._limits(), self.seed)
+        self._cache_file = self.cache_path(source)
+        return load_or_build(layout, source, self._cache_file, self.img_size, self._limits(), self.seed)
 
     # ---------------------------------------------------------------- setup and loaders
 
@@ -180,6 +199,7 @@ class ImageDataModule(pl.LightningDataModule):
         self._stats.clear()
         self._augment = BatchAugment(self.augment_config, self.num_classes)
         device = self._cache_device()
+        self.streamed = self._stream(cache, device)
         if stage in (None, "fit", "validate") and "train" not in self.splits:
             raise ValueError(f"this data module decoded only {self.splits}: it cannot be set up for {stage!r}")
         if stage in (None, "fit", "validate"):
@@ -192,11 +212,30 @@ class ImageDataModule(pl.LightningDataModule):
             flip = None
             if self.augment_config["hflip"] and self.augment_config["alternating_flip"]:
                 flip = AlternatingFlip(len(train_idx), self.seed, self._current_epoch)
-            self.train_dataset = _TensorBatches(images[train_idx].to(device), labels[train_idx].to(device), flip)
-            self.val_dataset = _TensorBatches(images[val_idx].to(device), labels[val_idx].to(device))
+            if self.streamed:
+                self.train_dataset = MappedBatches(self._cache_file, "train", train_idx, labels[train_idx], flip)
+                self.val_dataset = MappedBatches(self._cache_file, "train", val_idx, labels[val_idx])
+            else:
+                self.train_dataset = _TensorBatches(images[train_idx].to(device), labels[train_idx].to(device), flip)
+                self.val_dataset = _TensorBatches(images[val_idx].to(device), labels[val_idx].to(device))
         if stage in (None, "test", "predict"):
             images, labels = cache["test_images"], cache["test_labels"]
-            self.test_dataset = _TensorBatches(images.to(device), labels.to(device))
+            self.test_dataset = (MappedBatches(self._cache_file, "test", None, labels) if self.streamed
+                                 else _TensorBatches(images.to(device), labels.to(device)))
+
+    def _stream(self, cache: dict, device: torch.device) -> bool:
+        """Whether the decoded images exceed the memory budget on ``device`` (on any rank: all ranks then stream);
+        a streamed run needs the cache file, so one that could not be written -> ValueError."""
+        nbytes = cache["train_images"].nbytes + cache["test_images"].nbytes
+        stream = stream_needed(nbytes, device, self.memory_budget)
+        # in the trainer's setup every rank is here together (not so in a rank_zero_first build before it)
+        if self.trainer is not None and self._ranks()[0] > 1 and torch.distributed.is_initialized():
+            stream = self.trainer.strategy.reduce_boolean_decision(stream, all=False)
+        if stream and (self._cache_file is None or not self._cache_file.is_file()):
+            raise ValueError(f"the {nbytes / 2**30:.2f} GiB of decoded images exceed the memory budget on {device} "
+                             f"and are read from the cache file, which could not be written: give a writable "
+                             f"--cache-dir")
+        return stream
 
     def _current_epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer is not None else 0
@@ -209,21 +248,32 @@ class ImageDataModule(pl.LightningDataModule):
         return torch.device("cpu")
 
     def _ranks(self) -> tuple[int, int]:
-        """``(world size, global rank)`` of the attached trainer, ``(1, 0)`` without one."""
-        if self.trainer is None:
-            return 1, 0
-        return self.trainer.world_size, self.trainer.global_rank
+        """``(world size, global rank)`` of the attached trainer, else of the open process group (an evaluation
+        under torchrun), else ``(1, 0)``."""
+        if self.trainer is not None:
+            return self.trainer.world_size, self.trainer.global_rank
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank()
+        return 1, 0
 
-    def _loader(self, dataset: _TensorBatches | None, name: str, train: bool) -> DataLoader:
+    def _loader(self, dataset: _TensorBatches | MappedBatches | None, name: str, train: bool) -> DataLoader:
         if dataset is None:
             raise ValueError(f"the {name} split is not loaded: call setup() ('fit' or 'test') first")
         world, rank = self._ranks()
+        workers = self._workers() if isinstance(dataset, MappedBatches) else {"num_workers": 0}
         if train:  # batch_size is the global batch: this rank's slice of each one
             sampler = GlobalBatchShard(dataset, self.batch_size, world, rank, self._shuffle)
             return DataLoader(dataset, batch_size=sampler.local_batch, sampler=sampler, generator=self._shuffle,
-                              collate_fn=_as_batch, num_workers=0)
+                              collate_fn=_as_batch, **workers)
         return DataLoader(dataset, batch_size=-(-self.eval_batch_size // world),
-                          sampler=ContiguousShard(dataset, world, rank), collate_fn=_as_batch, num_workers=0)
+                          sampler=ContiguousShard(dataset, world, rank), collate_fn=_as_batch, **workers)
+
+    def _workers(self) -> dict:
+        """The streamed path's DataLoader arguments: workers reading the memory map, pinned batches on CUDA."""
+        workers = self.stream_workers
+        if workers is None:
+            workers = min(8, suggested_max_num_workers(self.trainer.num_devices if self.trainer else 1))
+        return {"num_workers": workers, "pin_memory": self._cache_device().type == "cuda"}
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled (seeded; a new order each epoch) uint8 batches; the last incomplete batch is dropped. Under

@@ -1,0 +1,102 @@
+"""Data that does not fit on the device: the budget decision against its formula, and the streamed path (the
+memory-mapped cache read by DataLoader workers) against the resident path as the reference, on real CIFAR-10
+images: the same batches epoch by epoch (alternating flip included), and the same training losses step by step
+with the same seed under the same random augmentation (crop, flip, RandAugment, mixup / cutmix, cutout)."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import zoo.train.data.stream as stream
+from zoo.train.data import ImageDataModule
+from zoo.train.module import ImageClassifier
+from zoo.train.recipe import Recipe
+
+AUGMENT = {"crop_padding": 4, "hflip": True, "alternating_flip": False, "randaugment": {"num_ops": 2, "magnitude": 9},
+           "mixup_alpha": 0.2, "cutmix_alpha": 1.0, "cutout": 8}
+
+
+def data(cifar_dir, tmp_path, budget: float | None, **kwargs) -> ImageDataModule:
+    options = dict(max_train_images=120, max_test_images=30, val_size=20, batch_size=16, eval_batch_size=16,
+                   seed=3, cache_dir=tmp_path / "cache", stream_workers=2)
+    return ImageDataModule(cifar_dir, memory_budget=budget, **{**options, **kwargs})
+
+
+def test_the_budget_is_given_in_gib_or_half_the_measured_free_memory(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not stream.stream_needed(2**30, cpu, 1.0) and stream.stream_needed(2**30 + 1, cpu, 1.0)
+    assert stream.stream_needed(1, cpu, 0.0)
+    monkeypatch.setattr(stream, "free_memory", lambda device: 1000)
+    assert not stream.stream_needed(500, cpu, None) and stream.stream_needed(501, cpu, None)
+    monkeypatch.setattr(stream, "free_memory", lambda device: None)   # not measurable: resident
+    assert not stream.stream_needed(10**15, cpu, None)
+    with pytest.raises(ValueError, match="data_memory_budget must be a non-negative number, got -1"):
+        Recipe(data_memory_budget=-1)
+    with pytest.raises(ValueError, match="memory_budget must be None or a number of GiB >= 0, got 'x'"):
+        ImageDataModule(memory_budget="x")
+
+
+def test_streamed_batches_are_the_resident_batches(cifar_dir, tmp_path):
+    """Two epochs of training batches (the alternating flip mirrors the other half in epoch 1), validation and
+    test, from 2 workers reading the memory map, equal the resident module's; pickling the dataset (what a
+    spawned worker receives) copies no images."""
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), training=False,
+                              world_size=1, global_rank=0, num_devices=1, current_epoch=0)
+    modules = {}
+    for budget in (None, 0.0):
+        dm = data(cifar_dir, tmp_path, budget, augment={"alternating_flip": True})
+        dm.trainer = trainer
+        dm.prepare_data()
+        dm.setup("fit")
+        dm.setup("test")
+        modules[budget] = dm
+    resident, streamed = modules[None], modules[0.0]
+    assert resident.streamed is False and streamed.streamed is True
+    assert type(streamed.train_dataset).__name__ == "MappedBatches"
+    images_bytes = streamed.train_dataset.images.nbytes
+    assert len(pickle.dumps(streamed.train_dataset)) < images_bytes / 10
+    clone = pickle.loads(pickle.dumps(streamed.train_dataset))
+    assert all(map(torch.equal, clone.__getitems__([5, 0, 7]), resident.train_dataset.__getitems__([5, 0, 7])))
+    loaders = {dm: dm.train_dataloader() for dm in (resident, streamed)}
+    assert loaders[streamed].num_workers == 2 and loaders[resident].num_workers == 0
+    for epoch in (0, 1):
+        trainer.current_epoch = epoch
+        batches = {dm: list(loader) for dm, loader in loaders.items()}
+        assert len(batches[resident]) == 100 // 16
+        for (x, y), (xs, ys) in zip(batches[resident], batches[streamed], strict=True):
+            assert torch.equal(x, xs) and torch.equal(y, ys)
+    for split in ("val_dataloader", "test_dataloader"):
+        pairs = zip(getattr(resident, split)(), getattr(streamed, split)(), strict=True)
+        assert all(torch.equal(x, xs) and torch.equal(y, ys) for (x, y), (xs, ys) in pairs)
+
+
+class Losses(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].detach().clone())
+
+
+def test_streamed_training_takes_the_resident_steps(cifar_dir, tmp_path):
+    """The budget forced to 0 GiB: the first training steps' losses equal the resident path's, seed for seed, with
+    RandAugment, mixup / cutmix and cutout drawn after the batch reaches the device."""
+    seen = {}
+    for budget in (None, 0.0):
+        dm = data(cifar_dir, tmp_path, budget, augment=AUGMENT)
+        pl.seed_everything(0, workers=True, verbose=False)
+        module = ImageClassifier("vit_nano", {"embed_dim": 32, "depth": 1, "num_heads": 2}, num_classes=10)
+        losses = Losses()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[losses])
+        trainer.fit(module, datamodule=dm)
+        assert dm.streamed is (budget == 0.0)
+        seen[budget] = torch.stack(losses.losses)
+    assert len(seen[None]) == 4 and torch.isfinite(seen[None]).all()
+    assert torch.equal(seen[None], seen[0.0])
