@@ -27,11 +27,6 @@ def integer_check(low: int) -> Check:
 
 
 def number_check(key: str, value) -> float:
-    if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"{key} must be a non-negative number, got {value!r}")
     if not math.isfinite(value):

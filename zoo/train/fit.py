@@ -7,7 +7,7 @@ fractions in [0, 1])."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -17,13 +17,13 @@ import torch
 from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
-    Timer,
     WeightAveraging,
 )
 
 from ..atomic import atomic_write_json
 from ..models import create_model, model_info
 from .callbacks import EMAWeightAveraging, LossProgressBar, Throughput, TimeBudget, ValidationClock
+from .checks import parse_max_time
 from .data import ImageDataModule
 from .device import compile_for, machine_name, resolve_accelerator, resolve_muon_dtype, resolve_precision
 from .distributed import (
@@ -40,7 +40,7 @@ from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
 from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
 from .quiet import quiet_libraries
-from .recipe import Recipe, parse_max_time
+from .recipe import Recipe
 from .runs import (
     AtomicCheckpointIO,
     check_resume_data,
@@ -56,15 +56,30 @@ WHITENING_IMAGES = 5000  # training images whose patches set the whitening filte
 
 @dataclass(frozen=True)
 class RunPlan:
-    """A recipe with what it resolved to on this machine (its precision, optimizer and muon_dtype the ones chosen
-    here): the run directory and the checkpoint to resume."""
+    """Every decision of a run, made once before anything is written (``plan_run``) and what the rest is built from:
+    the recipe as resolved on this machine (its precision, optimizer, muon_dtype and compile the ones chosen here),
+    the device, the run directory and the checkpoint it resumes, and the time budget. ``describe()`` says it in one
+    line."""
 
     recipe: Recipe
-    accelerator: str            # "cpu" or "gpu" ("auto" resolved)
+    accelerator: str            # "cpu", "gpu" or "mps" ("auto" resolved)
     precision: str              # "32", "bf16-mixed" or "16-mixed" ("auto" resolved)
     run_dir: Path
     resume_from: Path | None    # checkpoints/last.ckpt of a resumed run, else None
     setup_s: float = 0.0        # seconds the run spent before its model was built (the precision probe)
+    world_size: int = 1         # processes (devices x nodes)
+    budget_s: float | None = None  # --max-time in seconds (the fit gets it less the seconds spent before it)
+    machine: str = ""           # the CPU or GPU the numbers come from (``device.machine_name``)
+
+    def describe(self) -> str:
+        """E.g. "vit_tiny on cpu (Intel ... (2 cores, native bf16: no)), 1 process, precision 32, optimizer adamw,
+        100 epochs, no time budget, new run runs/vit_tiny/20260101-120000-3fa2"."""
+        r = self.recipe
+        budget = f"--max-time {r.max_time}" if r.max_time else "no time budget"
+        run = f"resuming {self.resume_from}" if self.resume_from else f"new run {self.run_dir}"
+        return (f"{r.model} on {self.accelerator} ({self.machine}), {self.world_size} process"
+                f"{'es' if self.world_size > 1 else ''}, precision {self.precision}, optimizer {r.optimizer}, "
+                f"{r.epochs} epochs, {budget}, {run}")
 
 
 class RunCallbacks(NamedTuple):
@@ -80,13 +95,28 @@ def fit(recipe: Recipe) -> Path:
     ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends, once its model, model
     arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
     quiet_libraries()
+    plan, dm = plan_run(recipe)
+    created = on_rank_zero(lambda: create_run_dir(plan.recipe, plan.run_dir))
+    try:
+        return train_and_test(plan, dm)
+    except BaseException:
+        if is_global_zero():  # a new run that failed before its first checkpoint leaves nothing behind
+            remove_failed_run(plan.run_dir, created)
+        raise
+
+
+def plan_run(recipe: Recipe) -> tuple[RunPlan, ImageDataModule]:
+    """The run's plan and its data module (built by one process first: the data cache), every choice checked before
+    anything is written: the device and process count, the run directory (a resumed one checked against the data),
+    an ``init_from`` that must load, and the precision, Muon dtype and optimizer (a resumed run keeps the ones its
+    config.yaml records; ``auto`` measured on a CPU with native bf16)."""
     accelerator = resolve_accelerator(recipe.accelerator, recipe.devices)
     require_loggers(recipe.loggers)
     world_size = planned_world_size(recipe.devices, recipe.num_nodes, accelerator)
-    split_batch(recipe.batch_size, world_size)  # before anything is written
+    split_batch(recipe.batch_size, world_size)
     report_auto_devices(recipe, accelerator, world_size)
     open_process_group(accelerator)  # under torchrun / SLURM: rank 0 chooses the run directory for all ranks
-    run_dir, resume_from, new = on_rank_zero(lambda: find_run_dir(recipe))
+    run_dir, resume_from, _ = on_rank_zero(lambda: find_run_dir(recipe))
     dm = rank_zero_first(lambda: build_datamodule(recipe))  # one process builds the data cache
     if resume_from is not None:
         check_resume_data(resume_from, dm.num_classes, dm.class_names)
@@ -95,26 +125,20 @@ def fit(recipe: Recipe) -> Path:
                    allow_partial=recipe.init_partial)
     start = time.perf_counter()
     one_process = world_size == 1  # DDP ranks must not measure (and choose) apart
-    precision, muon_dtype, optimizer = recipe.precision, recipe.muon_dtype, recipe.optimizer
+    chosen = {key: getattr(recipe, key) for key in ("precision", "muon_dtype", "optimizer")}
     if resume_from is not None:  # a resumed run keeps the choices it started with (config.yaml records them)
-        precision = recorded_choice(run_dir, "precision", precision, accelerator)
-        muon_dtype = recorded_choice(run_dir, "muon_dtype", muon_dtype, accelerator)
-        optimizer = recorded_choice(run_dir, "optimizer", optimizer, accelerator)
-    precision = resolve_precision(precision, accelerator,
+        chosen = {key: recorded_choice(run_dir, key, value, accelerator) for key, value in chosen.items()}
+    precision = resolve_precision(chosen["precision"], accelerator,
                                   (lambda options: probe_precision(recipe, options)) if one_process else None)
-    muon_dtype = resolve_muon_dtype(muon_dtype, accelerator)
+    muon_dtype = resolve_muon_dtype(chosen["muon_dtype"], accelerator)
+    optimizer = chosen["optimizer"]
     if resume_from is None and one_process and accelerator == "cpu":
         optimizer = probe_optimizer(recipe, precision, muon_dtype)
     resolved = replace(recipe, precision=precision, muon_dtype=muon_dtype, optimizer=optimizer,
                        compile=compile_for(recipe.compile, accelerator))
-    created = on_rank_zero(lambda: create_run_dir(resolved, run_dir))
-    plan = RunPlan(resolved, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
-    try:
-        return train_and_test(plan, dm)
-    except BaseException:
-        if new and is_global_zero():
-            remove_failed_run(run_dir, created)
-        raise
+    budget_s = parse_max_time(recipe.max_time) if recipe.max_time else None
+    return RunPlan(resolved, accelerator, precision, run_dir, resume_from, time.perf_counter() - start, world_size,
+                   budget_s, machine_name(accelerator)), dm
 
 
 def report_auto_devices(recipe: Recipe, accelerator: str, world_size: int) -> None:
@@ -149,11 +173,7 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
 
 def build_datamodule(recipe: Recipe) -> ImageDataModule:
     """The data module, its data found (or downloaded), decoded into the cache and split."""
-    dm = ImageDataModule(
-        recipe.data_dir, download=recipe.download, img_size=recipe.img_size, batch_size=recipe.batch_size,
-        eval_batch_size=recipe.eval_batch_size, val_size=recipe.val_size, seed=recipe.seed,
-        augment=asdict(recipe.augment), cache_dir=recipe.cache_dir, max_train_images=recipe.max_train_images,
-        max_test_images=recipe.max_test_images, memory_budget=recipe.data_memory_budget)
+    dm = ImageDataModule(**recipe.kwargs_for(ImageDataModule, memory_budget=recipe.data_memory_budget))
     dm.prepare_data()
     dm.setup("fit")
     return dm
@@ -163,12 +183,9 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
     """The LightningModule around ``zoo.create_model``; a new run computes its patch-whitening filters (if the
     model has any) from the training images, and one with ``init_from`` starts from those weights."""
     recipe = plan.recipe
-    module = ImageClassifier(
-        recipe.model, model_args(recipe), num_classes=dm.num_classes, lr=recipe.lr, weight_decay=recipe.weight_decay,
-        warmup_frac=min(recipe.warmup_epochs / max(recipe.epochs, 1), 1.0), min_lr_ratio=recipe.min_lr_ratio,
-        label_smoothing=recipe.label_smoothing, channels_last=uses_channels_last(recipe), compile=recipe.compile,
-        optimizer=recipe.optimizer, muon_dtype=recipe.muon_dtype, momentum=recipe.momentum,
-        no_decay_lr_scale=recipe.no_decay_lr_scale, schedule=recipe.schedule, tta=recipe.tta)
+    module = ImageClassifier(**recipe.kwargs_for(  # lr, optimizer, schedule, ... by their recipe keys
+        ImageClassifier, model_name=recipe.model, model_args=model_args(recipe), num_classes=dm.num_classes,
+        warmup_frac=min(recipe.warmup_epochs / max(recipe.epochs, 1), 1.0), channels_last=uses_channels_last(recipe)))
     # a resumed run's checkpoint holds its filters; fit_whitening=false keeps the random ones (the ablation)
     if plan.resume_from is None and module.whitening_layers and recipe.fit_whitening:
         module.fit_whitening(dm.normalize(dm.train_dataset[:WHITENING_IMAGES][0]))  # read alone when streamed
@@ -195,29 +212,26 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
         interval = timedelta(minutes=recipe.ckpt_every_minutes)
         callbacks.append(ModelCheckpoint(ckpt_dir, "last", train_time_interval=interval, enable_version_counter=False))
     throughput = Throughput(writes)
-    budget_s = parse_max_time(recipe.max_time) - spent_s if recipe.max_time else None
+    budget_s = plan.budget_s - spent_s if plan.budget_s is not None else None
     callbacks += [throughput, LossProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
                   LearningRateMonitor("step"), ValidationClock(),
-                  RunForecast(recipe, plan.accelerator, machine_name(plan.accelerator), budget_s)]
+                  RunForecast(recipe, plan.accelerator, plan.machine, budget_s)]
     if recipe.ema_decay:
         callbacks.append(EMAWeightAveraging(recipe.ema_decay))
-    if recipe.max_time:
-        callbacks += [TimeBudget(budget_s), Timer(recipe.max_time)]
+    if budget_s is not None:  # the schedule fitted to the budget; Lightning's Timer (Trainer max_time) stops the fit
+        callbacks.append(TimeBudget(budget_s))
     return RunCallbacks(best, throughput, callbacks, writes)
 
 
 def build_trainer(plan: RunPlan, callbacks: RunCallbacks) -> pl.Trainer:
     """The Lightning Trainer: metrics.csv kept across resumes (and the recipe's other loggers), atomic checkpoint
     writes, no sanity check."""
-    recipe = plan.recipe
-    return pl.Trainer(
-        accelerator=plan.accelerator, devices=recipe.devices, strategy=recipe.strategy,
-        num_nodes=recipe.num_nodes, precision=plan.precision, max_epochs=recipe.epochs,
+    recipe = plan.recipe  # devices, strategy, num_nodes, max_time, limit_*_batches by their recipe keys
+    return pl.Trainer(**recipe.kwargs_for(
+        pl.Trainer, accelerator=plan.accelerator, precision=plan.precision, max_epochs=recipe.epochs,
         logger=build_loggers(recipe.loggers, plan.run_dir, plan.resume_from), callbacks=callbacks.all,
-        plugins=[callbacks.checkpoint_io], limit_train_batches=recipe.limit_train_batches,
-        limit_val_batches=recipe.limit_val_batches, limit_test_batches=recipe.limit_test_batches,
-        log_every_n_steps=min(50, recipe.ckpt_every_n_steps), num_sanity_val_steps=0,
-        enable_model_summary=False)  # RunForecast says the size (Lightning's table counts FLOPs as 0)
+        plugins=[callbacks.checkpoint_io], log_every_n_steps=min(50, recipe.ckpt_every_n_steps), num_sanity_val_steps=0,
+        enable_model_summary=False))  # RunForecast says the size (Lightning's table counts FLOPs as 0)
 
 
 def run_test(trainer: pl.Trainer, module: ImageClassifier, dm: ImageDataModule, best: ModelCheckpoint) -> dict:
@@ -245,7 +259,7 @@ def summarize(plan: RunPlan, trainer: pl.Trainer, callbacks: RunCallbacks, fit_s
         "best_val_top1": float(best_score) if best_score is not None else None, **tested,
         "label_smoothing": plan.recipe.label_smoothing,
         "num_classes": dm.num_classes, "class_names": list(dm.class_names), "img_size": dm.img_size,
-        "mean": list(dm.mean), "std": list(dm.std), "machine": machine_name(plan.accelerator),
+        "mean": list(dm.mean), "std": list(dm.std), "machine": plan.machine,
         "float32_matmul_precision": torch.get_float32_matmul_precision(), "optimizer": plan.recipe.optimizer,
         "muon_dtype": plan.recipe.muon_dtype,
         **({"peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if plan.accelerator == "gpu" else {}),
