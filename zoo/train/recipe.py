@@ -55,7 +55,9 @@ class _Checked:
         return cls(**data)
 
 
-TEXT, OPTIONAL_TEXT, COUNT = c.text_check, c.optional_check(c.text_check), c.optional_check(c.integer_check(1))
+# the checks most fields share
+TEXT, OPTIONAL_TEXT, FLAG, NUMBER = c.text_check, c.optional_check(c.text_check), c.flag_check(), c.number_check
+NATURAL, POSITIVE, COUNT = c.integer_check(0), c.integer_check(1), c.optional_check(c.integer_check(1))
 
 
 @dataclass(frozen=True)
@@ -64,17 +66,15 @@ class AugmentConfig(_Checked):
 
     prefix: ClassVar[str] = "augment."
     crop_padding: int = setting(DEFAULT_AUGMENT["crop_padding"], "zero padding (pixels) before the random crop",
-                                c.integer_check(0))
-    hflip: bool = setting(DEFAULT_AUGMENT["hflip"], "random horizontal flip", c.flag_check())
+                                NATURAL)
+    hflip: bool = setting(DEFAULT_AUGMENT["hflip"], "random horizontal flip", FLAG)
     alternating_flip: bool = setting(DEFAULT_AUGMENT["alternating_flip"], "with hflip: mirror each image in "
-                                     "alternate epochs (airbench)", c.flag_check())
+                                     "alternate epochs (airbench)", FLAG)
     randaugment: dict | bool | None = setting(DEFAULT_AUGMENT["randaugment"], "RandAugment: null (off), true or "
                                               "{num_ops: 2, magnitude: 9}", c.optional_check(c.randaugment_check))
-    mixup_alpha: float = setting(DEFAULT_AUGMENT["mixup_alpha"], "mixup Beta(alpha, alpha); 0 = off", c.number_check)
-    cutmix_alpha: float = setting(DEFAULT_AUGMENT["cutmix_alpha"], "cutmix Beta(alpha, alpha); 0 = off",
-                                  c.number_check)
-    cutout: int = setting(DEFAULT_AUGMENT["cutout"], "side (pixels) of a zeroed square per image; 0 = off",
-                          c.integer_check(0))
+    mixup_alpha: float = setting(DEFAULT_AUGMENT["mixup_alpha"], "mixup Beta(alpha, alpha); 0 = off", NUMBER)
+    cutmix_alpha: float = setting(DEFAULT_AUGMENT["cutmix_alpha"], "cutmix Beta(alpha, alpha); 0 = off", NUMBER)
+    cutout: int = setting(DEFAULT_AUGMENT["cutout"], "side (pixels) of a zeroed square per image; 0 = off", NATURAL)
 
 
 def _section(key: str, value) -> AugmentConfig:
@@ -88,8 +88,8 @@ class Recipe(_Checked):
     model: str | None = setting(None, "registered model name (train.py --list-models)", OPTIONAL_TEXT)
     model_args: dict = setting({}, "keyword arguments of zoo.create_model (depth, drop_path_rate, ...)",
                                c.mapping_check, nested=dict)
-    epochs: int = setting(100, "training epochs (the LR schedule spans them)", c.integer_check(1))
-    batch_size: int = setting(128, "global training batch size, split across devices and nodes", c.integer_check(1))
+    epochs: int = setting(100, "training epochs (the LR schedule spans them)", POSITIVE)
+    batch_size: int = setting(128, "global training batch size, split across devices and nodes", POSITIVE)
     eval_batch_size: int | None = setting(None, "validation / test batch size (null: batch_size)", COUNT)
     optimizer: str = setting("adamw", "adamw, sgd, muon (2-D; AdamW on the rest), muon_conv",
                              c.choice_check(OPTIMIZERS))
@@ -100,25 +100,23 @@ class Recipe(_Checked):
     muon_dtype: str = setting("auto", "dtype of Muon's iteration: auto (bfloat16 where the device computes it "
                               "natively, else float32), float32 or bfloat16", c.choice_check(("auto", *MUON_DTYPES)))
     lr: float = setting(1e-3, "peak learning rate", c.positive_check)
-    momentum: float = setting(0.9, "SGD's / Muon's Nesterov momentum", c.number_check)
-    weight_decay: float = setting(0.05, "weight decay (not on norms, biases, position embeddings)", c.number_check)
-    no_decay_lr_scale: float = setting(1.0, "learning-rate multiplier of norms, biases and position tables",
-                                       c.number_check)
+    momentum: float = setting(0.9, "SGD's / Muon's Nesterov momentum", NUMBER)
+    weight_decay: float = setting(0.05, "weight decay (not on norms, biases, position embeddings)", NUMBER)
+    no_decay_lr_scale: float = setting(1.0, "learning-rate multiplier of norms, biases and position tables", NUMBER)
     schedule: str = setting("cosine", "decay after the warm-up: cosine or linear", c.choice_check(SCHEDULES))
-    warmup_epochs: float = setting(5.0, "linear warm-up, in epochs (fractions allowed)", c.number_check)
-    min_lr_ratio: float = setting(0.01, "the decay ends at lr * min_lr_ratio", c.number_check)
+    warmup_epochs: float = setting(5.0, "linear warm-up, in epochs (fractions allowed)", NUMBER)
+    min_lr_ratio: float = setting(0.01, "the decay ends at lr * min_lr_ratio", NUMBER)
     label_smoothing: float = setting(0.1, "cross-entropy label smoothing, in [0, 1)", c.unit_interval_check)
-    fit_whitening: bool = setting(True, "patch-whitening filters from training images (false: fixed random ones)",
-                                  c.flag_check())
+    fit_whitening: bool = setting(True, "patch-whitening filters from training images (false: random ones)", FLAG)
     ema_decay: float = setting(0.0, "EMA of the weights (decay warming up to this); 0 = off", c.unit_interval_check)
     tta: int = setting(0, "test-time augmentation of validation and test: 0 none, 1 mirror, 2 mirror + shifts",
                        c.choice_check(TTA_LEVELS))
     augment: AugmentConfig = setting(AugmentConfig, "training augmentation", _section, nested=AugmentConfig)
     data_dir: str | None = setting(None, "ImageFolder tree with train/ and test/, or a folder holding "
                                    "cifar-10-batches-py (null: ./data)", OPTIONAL_TEXT)
-    download: bool = setting(False, "download CIFAR-10 into data_dir when it holds no dataset", c.flag_check())
-    img_size: int = setting(32, "images are img_size x img_size; every zoo model gets it", c.integer_check(1))
-    val_size: int = setting(5000, "training images held out for validation", c.integer_check(0))
+    download: bool = setting(False, "download CIFAR-10 into data_dir when it holds no dataset", FLAG)
+    img_size: int = setting(32, "images are img_size x img_size; every zoo model gets it", POSITIVE)
+    val_size: int = setting(5000, "training images held out for validation", NATURAL)
     max_train_images: int | None = setting(None, "train on a seeded subset of this many images", COUNT)
     max_test_images: int | None = setting(None, "test on a seeded subset of this many images", COUNT)
     cache_dir: str | None = setting(None, "where the decoded uint8 cache goes (null: $XDG_CACHE_HOME/zoo or "
@@ -126,38 +124,33 @@ class Recipe(_Checked):
     data_memory_budget: float | None = setting(
         None, "GiB of device memory the decoded images may take; above it batches stream from the memory-mapped "
         "cache file (null: half of the device's free memory)", c.optional_check(NUMBER))
-    seed: int = setting(0, "seeds the split, the subsets, the shuffling and the weights", c.integer_check(0))
+    seed: int = setting(0, "seeds the split, the subsets, the shuffling and the weights", NATURAL)
     precision: str = setting("auto", "auto (GPU: bf16-mixed or 16-mixed; CPU: bf16-mixed with native bf16 where "
                              "measured faster, else 32), 32, bf16-mixed or 16-mixed", c.precision_check)
     accelerator: str = setting("auto", "auto, cpu, gpu or mps (Apple silicon)", TEXT)
-    devices: int | str = setting("auto", "number of devices (-1: all), a device list like 0,1, or auto",
-                                 c.devices_check)
+    devices: int | str = setting("auto", "device count (-1: all), a device list like 0,1, or auto", c.devices_check)
     strategy: str = setting("auto", "Lightning strategy: auto, ddp, ...", TEXT)
-    num_nodes: int = setting(1, "machines in a multi-node run", c.integer_check(1))
+    num_nodes: int = setting(1, "machines in a multi-node run", POSITIVE)
     compile: bool | str = setting(False, "torch.compile the whole model (true), each CBAM and transformer block "
                                   "(regions), or not (false)", c.flag_check("regions"))
-    channels_last: str | bool = setting("auto", "channels-last memory (auto: the conv models resnet*, hybrid*)",
-                                        c.flag_check("auto"))
+    channels_last: str | bool = setting("auto", "channels-last memory (auto: resnet*, hybrid*)", c.flag_check("auto"))
     max_time: str | None = setting(None, "wall-clock budget DD:HH:MM:SS, above zero; the LR schedule is fitted to "
                                    "it", c.optional_check(c.max_time_check))
-    limit_train_batches: int | float | None = setting(None, "batches per epoch (an integer) or a fraction (0.25)",
-                                                      c.limit_check)
+    limit_train_batches: int | float | None = setting(None, "batches per epoch (2) or a fraction (0.25)", c.limit_check)
     limit_val_batches: int | float | None = setting(None, "as limit_train_batches, for validation", c.limit_check)
     limit_test_batches: int | float | None = setting(None, "as limit_train_batches, for the test", c.limit_check)
-    ckpt_every_n_steps: int = setting(500, "also write checkpoints/last.ckpt every N optimizer steps",
-                                      c.integer_check(1))
+    ckpt_every_n_steps: int = setting(500, "also write checkpoints/last.ckpt every N optimizer steps", POSITIVE)
     ckpt_every_minutes: float = setting(2.0, "write checkpoints/last.ckpt every this many minutes of training and at "
-                                        "the end (0: only at the end and every N steps)", c.number_check)
+                                        "the end (0: only at the end and every N steps)", NUMBER)
     out: str = setting("runs", "root of run directories: the run is written to OUT/<model>/<run-id>/", TEXT)
     loggers: list = setting([], "Lightning loggers beside metrics.csv (always written): tensorboard (into "
                             "RUN/tensorboard/), wandb, mlflow, comet; repeatable or comma-separated", logger_names,
                             flag="logger")
     resume: str | None = setting(None, "continue a run directory / checkpoint of the same model and model "
                                  "arguments, or (auto) the newest run of the model under out", OPTIONAL_TEXT)
-    init_from: str | None = setting(None, "start a new run from a zoo checkpoint or a timm ViT state_dict (says "
-                                    "what it loaded)", OPTIONAL_TEXT)
-    init_partial: bool = setting(False, "let init_from load under half of the model's parameter elements",
-                                 c.flag_check())
+    init_from: str | None = setting(None, "start a new run from a zoo checkpoint or a timm ViT state_dict",
+                                    OPTIONAL_TEXT)
+    init_partial: bool = setting(False, "let init_from load under half of the model's parameter elements", FLAG)
 
     def __post_init__(self):
         from ..models import check_model_args, list_models  # the models load on first use
