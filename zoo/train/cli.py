@@ -66,10 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
 def list_models() -> str:
     """One line per registered model: name, parameters, forward FLOPs per 32x32 image, shipped weights."""
     from zoo.models import create_model, list_models, model_info, shipped_models
@@ -105,7 +101,7 @@ def _error(err: Exception, code: int = 2) -> int:
 
 def main(argv=None) -> int:
     line_buffered_output()
-    args = parse_or_exit_code(parse_args, argv)
+    args = parse_or_exit_code(lambda argv: build_parser().parse_args(argv), argv)
     if isinstance(args, int):
         return args
     if args.list_models:

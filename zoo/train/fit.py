@@ -1,8 +1,9 @@
-"""``fit``: one resumable training run from a resolved ``Recipe``, in named steps: the run directory (``runs``: a
-resumed run is checked against the recipe and the data before anything is written; a new one is removed again
-when it fails before its first checkpoint), the data module, the LightningModule, the callbacks, the Lightning
-Trainer, the test of the best checkpoint and summary.json (keys in the DESIGN's run contract; accuracies are
-fractions in [0, 1])."""
+"""``fit``: one resumable training run from a resolved ``Recipe``, in named steps: the plan (``plan_run``: every
+decision made once, before anything is written: device, precision, run directory, resume, budget; a resumed run is
+checked against the recipe and the data), the run directory (a new one is removed again when it fails before its
+first checkpoint), the data module, the LightningModule and the Trainer (each given its section of the recipe by
+name), the callbacks, the test of the best checkpoint and summary.json (keys in the DESIGN's run contract;
+accuracies are fractions in [0, 1])."""
 
 from __future__ import annotations
 
