@@ -27,7 +27,7 @@ CASES = [
      r"model_args.img_size of vit_nano must be int or tuple\[int, int\], got \[32\]"),
     ("unknown model argument", ["--set", "model_args.dpeth=3"],
      r"vit_nano takes no argument model_args.dpeth \(did you mean model_args.depth\?\); valid: attn_drop_rate, "
-     r"backend, depth, .*qkv_bias, rel_pos_bias$"),
+     r"backend, depth, .*qkv_bias, reg_tokens, rel_pos_bias$"),
     ("another model's argument", ["--model", "resnet18", "--set", "model_args.embed_dim=64"],
      r"resnet18 takes no argument model_args.embed_dim.*; valid: .*drop_path_rate"),
     ("label_smoothing 2", ["--set", "label_smoothing=2"], r"label_smoothing must lie in \[0, 1\), got 2.0"),

@@ -223,11 +223,11 @@ def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: 
     check_out_dir(out)
     model.to(device)
     name = meta["model_name"]
-    progress(f"{name}: reading the test images (decoded once into the cache)")
     dm = rank_zero_first(lambda: data_module_for(meta, data_dir=data_dir, batch_size=batch_size,
                                                  max_test_images=max_test_images, cache_dir=cache_dir))
     if pretrained:  # normalised as the weights were trained, whatever the statistics of this copy of the data
         dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
+    # after the data module's checks, so a refused argument is the only line on stderr
     progress(f"{name}: testing on {len(dm.test_dataset.labels):,} images on {device}")
     metrics, matrix = evaluate(model, dm)
     metrics = {"model": name, "checkpoint": meta["ckpt_path"], **metrics}
