@@ -37,6 +37,7 @@ from .distributed import (
 )
 from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
+from .preemption import PreemptionCheckpoint, RandomStates
 from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
 from .recipe import Recipe, parse_max_time
 from .runs import (
@@ -196,6 +197,8 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
                   LearningRateMonitor("step"), ValidationClock()]
     if recipe.ema_decay:
         callbacks.append(EMAWeightAveraging(recipe.ema_decay))
+    # a signal saves last.ckpt at the step it arrives; checkpoints hold the random states (exact resume)
+    callbacks += [RandomStates(), PreemptionCheckpoint(ckpt_dir / "last.ckpt")]
     if recipe.max_time:
         callbacks += [TimeBudget(parse_max_time(recipe.max_time) - spent_s), Timer(recipe.max_time)]
     return RunCallbacks(best, throughput, callbacks, writes)

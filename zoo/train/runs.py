@@ -115,6 +115,8 @@ def find_run_dir(recipe: Recipe) -> tuple[Path, Path | None, bool]:
     if resume == "auto":
         run_dir = _latest_resumable(model_dir)
         if run_dir is None:
+            print(f"--resume auto: no run of {recipe.model} under {recipe.out} has a checkpoints/last.ckpt; "
+                  "starting a new run")
             return model_dir / new_run_id(), None, True
         ckpt = run_dir / "checkpoints" / "last.ckpt"
     elif resume:
