@@ -5,7 +5,6 @@ the uninterrupted run; a resume that drew one batch or one random number differe
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,7 +16,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from zoo.train import cli, fit as fit_module
+from zoo.train import cli
+from zoo.train import fit as fit_module
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS_PER_EPOCH = 4  # 96 images - 32 held out = 64, in batches of 16
