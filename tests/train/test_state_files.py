@@ -58,7 +58,9 @@ def test_resume_of_a_run_another_process_holds_exits_2_in_one_line(tiny_run, cif
     proc = hold_in_another_process(run)
     try:
         code = cli.main(["--model", "vit_nano", "--resume", "auto", "--out", str(tmp_path / "runs"),
-                         "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path / "cache"), "--epochs", "2"])
+                         "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path / "cache"), "--epochs", "2",
+                         "--max-train-images", "128", "--max-test-images", "32", "--set", "val_size=32",
+                         "--batch-size", "32"])
     finally:
         proc.kill()
         proc.wait()

@@ -86,8 +86,6 @@ def fit(recipe: Recipe) -> Path:
     report_auto_devices(recipe, accelerator, world_size)
     open_process_group(accelerator)  # under torchrun / SLURM: rank 0 chooses the run directory for all ranks
     run_dir, resume_from, new = on_rank_zero(lambda: find_run_dir(recipe))
-    # a resumed run is held before its data is decoded: a second process resuming it stops here (one line)
-    lock = RunLock(run_dir).acquire() if resume_from is not None and is_global_zero() else None
     dm = rank_zero_first(lambda: build_datamodule(recipe))  # one process builds the data cache
     if resume_from is not None:
         check_resume_data(resume_from, dm.num_classes, dm.class_names)
@@ -108,18 +106,23 @@ def fit(recipe: Recipe) -> Path:
         optimizer = probe_optimizer(recipe, precision, muon_dtype)
     resolved = replace(recipe, precision=precision, muon_dtype=muon_dtype, optimizer=optimizer,
                        compile=compile_for(recipe.compile, accelerator))
-    created = on_rank_zero(lambda: create_run_dir(resolved, run_dir))
-    if lock is None and is_global_zero():
-        lock = RunLock(run_dir).acquire()
-    plan = RunPlan(resolved, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
+    # the run directory is held by one process: a second one resuming it stops here in one line, before it
+    # rewrites anything (a run refused earlier, for other data or another model, touched nothing)
+    lock, created = RunLock(run_dir) if is_global_zero() else None, None
+    if lock is not None and resume_from is not None:
+        lock.acquire()
     try:
+        created = on_rank_zero(lambda: create_run_dir(resolved, run_dir))
+        if lock is not None and resume_from is None:
+            lock.acquire()
+        plan = RunPlan(resolved, accelerator, precision, run_dir, resume_from, time.perf_counter() - start)
         return train_and_test(plan, dm)
     except BaseException:
         if new and is_global_zero():
             lock.release()
             remove_failed_run(run_dir, created)
         raise
-    finally:  # a run that fails before this point gives its lock back when it (or this process) next takes it
+    finally:
         if lock is not None:
             lock.release()
 
