@@ -4,6 +4,7 @@ file intact. Used for checkpoints, summary and other JSON files, CSV tables and 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -12,6 +13,11 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
@@ -45,3 +51,20 @@ def atomic_write_csv(path: str | Path, fieldnames: Sequence[str], rows: Iterable
 def atomic_write_json(path: str | Path, data) -> None:
     """``data`` as indented JSON (and a final newline) written whole through ``atomic_write``."""
     atomic_write(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+
+
+@contextlib.contextmanager
+def locked(path: str | Path):
+    """Hold an exclusive advisory lock (``fcntl.flock``) on the file ``path`` (created if absent) for the block, so
+    read-modify-write updates of a shared file by several processes do not lose each other's entries. The
+    kernel releases it if the process dies. Where ``fcntl`` does not exist (Windows) the block runs unlocked."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        if fcntl is not None:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield f
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)

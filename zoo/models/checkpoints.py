@@ -4,13 +4,13 @@ timm state_dict, resampling the position embedding. Only torch is needed to read
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..layers.cbam import current_cbam_keys
+from ..run_files import read_summary
 from .registry import create_model, model_card, shipped_models
 
 
@@ -74,7 +74,7 @@ def load_run(path: str | Path) -> tuple[nn.Module, dict]:
     model.eval()
     summary_file, config_file = run_dir / "summary.json", run_dir / "config.yaml"
     meta = {
-        "summary": json.loads(summary_file.read_text()) if summary_file.is_file() else {},
+        "summary": read_summary(summary_file) if summary_file.is_file() else {},
         "config": yaml.safe_load(config_file.read_text()) if config_file.is_file() else {},
         "ckpt_path": str(ckpt_path), "model_name": hp["model_name"],
         "model_args": dict(hp.get("model_args") or {}),

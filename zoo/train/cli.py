@@ -125,9 +125,17 @@ def main(argv=None) -> int:
 
     from zoo.train.fit import fit
     from zoo.train.module import NonFiniteLossError
+    from zoo.train.preemption import Preempted
 
     try:
         run_dir = fit(recipe)
+    except Preempted as stop:  # SIGTERM / SIGINT / SIGUSR1 in training: last.ckpt saved at that step
+        print(f"train.py: {stop}", file=sys.stderr)
+        return stop.code
+    except KeyboardInterrupt:  # Ctrl-C outside training (decoding, the precision probe, the test)
+        print("train.py: interrupted (Ctrl-C); a run with a checkpoints/last.ckpt continues with --resume auto",
+              file=sys.stderr)
+        return 130
     except (ValueError, MisconfigurationException) as err:  # user errors, DataError included
         return _error(err)
     except NonFiniteLossError as err:

@@ -10,13 +10,14 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_json, locked
 
 
 def synchronize(device: torch.device) -> None:
@@ -136,24 +137,37 @@ def faster_precision(model: nn.Module, x: torch.Tensor, precisions: tuple[str, .
     return fastest if seconds[fastest] < (1 - margin) * seconds[precisions[0]] else precisions[0]
 
 
-def remembered_choice(path: Path, key: str, choose: Callable[[], str]) -> tuple[str, bool]:
+def remembered_choice(path: Path, key: str, choose: Callable[[], str],
+                      allowed: Collection[str] | None = None) -> tuple[str, bool]:
     """``(choice, measured)``: the choice stored under ``key`` in the JSON file ``path``, else ``choose()``'s,
-    stored there (written atomically; an unreadable file counts as empty, an unwritable one is left alone).
-    ``--precision auto`` remembers its measurement this way, so two runs of one recipe on one machine train in the
-    same precision."""
+    stored there. ``--precision auto`` remembers its measurement this way, so two runs of one recipe on one machine
+    train in the same precision. An unreadable file counts as empty; a stored value that is not a string or not
+    one of ``allowed`` counts as missing (a warning, then measured again); an unwritable file is left alone. The
+    update re-reads the file and replaces it atomically under a lock (``path`` + ".lock"), so runs that measure at
+    the same time keep each other's entries."""
+    stored = _read_choices(path).get(key)
+    if isinstance(stored, str) and (allowed is None or stored in allowed):
+        return stored, False
+    if stored is not None:
+        shown = f"one of {sorted(allowed)}" if allowed is not None else "a string"
+        warnings.warn(f"{path}: the stored choice {stored!r} is not {shown} here; measuring again", stacklevel=3)
+    chosen = choose()
     try:
-        choices = json.loads(path.read_text())
-        choices = choices if isinstance(choices, dict) else {}
-    except (OSError, ValueError):
-        choices = {}
-    if isinstance(choices.get(key), str):
-        return choices[key], False
-    choices[key] = choose()
-    try:
-        atomic_write_json(path, choices)
+        with locked(path.with_name(path.name + ".lock")):
+            choices = _read_choices(path)
+            choices[key] = chosen
+            atomic_write_json(path, choices)
     except OSError:  # an unwritable cache folder costs a measurement next time, not the run
         pass
-    return choices[key], True
+    return chosen, True
+
+
+def _read_choices(path: Path) -> dict:
+    try:
+        choices = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return choices if isinstance(choices, dict) else {}
 
 
 def resolve_accelerator(accelerator: str, devices) -> str:

@@ -110,13 +110,14 @@ class GlobalBatchShard(DistributedSampler):
     """Rank ``rank``'s images of each global batch: every epoch one permutation of the dataset drawn from
     ``generator`` (the same on every rank) is cut into global batches of ``global_batch`` (an incomplete last one
     dropped, unless the dataset is smaller than one batch), and each is split into ``num_replicas`` equal slices.
-    With one replica it yields what ``RandomSampler(generator=generator)`` + ``drop_last`` do. A DistributedSampler,
-    so Lightning does not replace it."""
+    With one replica it yields what ``RandomSampler(generator=generator)`` + ``drop_last`` do. ``skip`` (called once
+    per epoch) gives the global batches at the start of the permutation to leave out (a resumed epoch's). A
+    DistributedSampler, so Lightning does not replace it."""
 
     def __init__(self, dataset: Dataset, global_batch: int, num_replicas: int, rank: int,
-                 generator: torch.Generator):
+                 generator: torch.Generator, skip: Callable[[], int] | None = None):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, drop_last=True)
-        self.global_batch, self.generator = global_batch, generator
+        self.global_batch, self.generator, self.skip = global_batch, generator, skip
         n = len(dataset)
         self.local_batch = split_batch(global_batch, num_replicas)
         # a split smaller than one batch trains on one batch of what divides among the ranks
@@ -130,7 +131,8 @@ class GlobalBatchShard(DistributedSampler):
         share = min(self.local_batch, self.used // self.num_replicas)
         # this rank's slice of every global batch, step after step
         shards = rearrange(order, "(step rank image) -> rank (step image)", rank=self.num_replicas, image=share)
-        return iter(shards[self.rank].tolist())
+        skip = self.skip() * share if self.skip is not None else 0  # a resumed epoch's batches already trained on
+        return iter(shards[self.rank, skip:].tolist())
 
 
 class ContiguousShard(DistributedSampler):

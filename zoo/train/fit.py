@@ -39,11 +39,13 @@ from .distributed import (
 from .forecast import RunForecast
 from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
+from .preemption import PreemptionCheckpoint, RandomStates
 from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
 from .quiet import quiet_libraries
 from .recipe import Recipe
 from .runs import (
     AtomicCheckpointIO,
+    RunLock,
     check_resume_data,
     create_run_dir,
     find_run_dir,
@@ -97,13 +99,24 @@ def fit(recipe: Recipe) -> Path:
     arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
     quiet_libraries()
     plan, dm = plan_run(recipe)
-    created = on_rank_zero(lambda: create_run_dir(plan.recipe, plan.run_dir))
+    # the run directory is held by one process: a second one resuming it stops here in one line, before it
+    # rewrites anything (a run refused earlier, for other data or another model, touched nothing)
+    lock, created = RunLock(plan.run_dir) if is_global_zero() else None, None
+    if lock is not None and plan.resume_from is not None:
+        lock.acquire()
     try:
+        created = on_rank_zero(lambda: create_run_dir(plan.recipe, plan.run_dir))
+        if lock is not None and plan.resume_from is None:
+            lock.acquire()
         return train_and_test(plan, dm)
     except BaseException:
-        if is_global_zero():  # a new run that failed before its first checkpoint leaves nothing behind
+        if lock is not None:  # a new run that failed before its first checkpoint leaves nothing behind
+            lock.release()
             remove_failed_run(plan.run_dir, created)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def plan_run(recipe: Recipe) -> tuple[RunPlan, ImageDataModule]:
@@ -219,6 +232,8 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
                   RunForecast(recipe, plan.accelerator, plan.machine, budget_s)]
     if recipe.ema_decay:
         callbacks.append(EMAWeightAveraging(recipe.ema_decay))
+    # a signal saves last.ckpt at the step it arrives; checkpoints hold the random states (exact resume)
+    callbacks += [RandomStates(), PreemptionCheckpoint(ckpt_dir / "last.ckpt")]
     if budget_s is not None:  # the schedule fitted to the budget; Lightning's Timer (Trainer max_time) stops the fit
         callbacks.append(TimeBudget(budget_s))
     return RunCallbacks(best, throughput, callbacks, writes)

@@ -50,12 +50,14 @@ def _probe_inputs(recipe: Recipe) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, x
 
 
-def _remembered(recipe: Recipe, what: list, measure: Callable[[], str], label: str) -> str:
-    """``measure()``'s choice, remembered under the recipe's model shape plus ``what``; printed with ``label``."""
+def _remembered(recipe: Recipe, what: list, measure: Callable[[], str], label: str,
+                allowed: tuple[str, ...]) -> str:
+    """``measure()``'s choice (one of ``allowed``), remembered under the recipe's model shape plus ``what``;
+    printed with ``label``."""
     key = json.dumps([recipe.model, model_args(recipe), recipe.batch_size, uses_channels_last(recipe), *what,
                       machine_name(), torch.__version__, torch.get_num_threads()], sort_keys=True)
     path = (Path(recipe.cache_dir) if recipe.cache_dir else user_cache_dir()) / PRECISION_FILE
-    chosen, measured = remembered_choice(path, key, measure)
+    chosen, measured = remembered_choice(path, key, measure, allowed)
     when = "measured now" if measured else "measured before"
     print(f"{label}: {chosen} for {recipe.model} on this CPU ({when}; remembered in {path}, delete it to "
           "measure again)")
@@ -65,7 +67,7 @@ def _remembered(recipe: Recipe, what: list, measure: Callable[[], str], label: s
 def probe_precision(recipe: Recipe, precisions: tuple[str, ...]) -> str:
     """Which of ``precisions`` trains the recipe's model faster on this CPU (``device.faster_precision``)."""
     return _remembered(recipe, [list(precisions)], lambda: faster_precision(*_probe_inputs(recipe), precisions),
-                       "--precision auto")
+                       "--precision auto", tuple(precisions))
 
 
 def optimizer_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: dict[str, Callable],
@@ -125,4 +127,5 @@ def probe_optimizer(recipe: Recipe, precision: str, muon_dtype: str) -> str:
         return affordable_optimizer(seconds, candidates[:-1], recipe.optimizer_min_speed)
 
     return _remembered(recipe, ["optimizer", list(candidates), recipe.optimizer_min_speed, precision, muon_dtype],
-                       measure, f"optimizer {recipe.optimizer} (min speed {recipe.optimizer_min_speed} of adamw's)")
+                       measure, f"optimizer {recipe.optimizer} (min speed {recipe.optimizer_min_speed} of adamw's)",
+                       candidates)

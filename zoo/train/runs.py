@@ -5,8 +5,6 @@ history. Reading checkpoints back (``load_run``, ``load_pretrained``) is ``zoo.m
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import secrets
 import shutil
@@ -19,8 +17,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from ..atomic import atomic_write, atomic_write_csv
+from ..atomic import atomic_write, atomic_write_csv, fcntl
 from ..models.checkpoints import load_checkpoint
+from ..run_files import read_metrics, read_summary
 from .distributed import is_global_zero
 from .recipe import Recipe
 
@@ -56,9 +55,7 @@ class _KeepingWriter(ExperimentWriter):
         path = Path(self.metrics_file_path)
         if not path.is_file():
             return
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            keys, rows = list(reader.fieldnames or []), list(reader)
+        keys, rows = read_metrics(path)
         if self._resume_step is not None:
             rows = [r for r in rows if r.get("step") and int(float(r["step"])) < self._resume_step]
         self.metrics_keys = keys
@@ -115,6 +112,8 @@ def find_run_dir(recipe: Recipe) -> tuple[Path, Path | None, bool]:
     if resume == "auto":
         run_dir = _latest_resumable(model_dir)
         if run_dir is None:
+            print(f"--resume auto: no run of {recipe.model} under {recipe.out} has a checkpoints/last.ckpt; "
+                  "starting a new run")
             return model_dir / new_run_id(), None, True
         ckpt = run_dir / "checkpoints" / "last.ckpt"
     elif resume:
@@ -159,10 +158,63 @@ def check_resume_data(ckpt: Path, num_classes: int, class_names: list[str]) -> N
         raise ValueError(f"--resume {ckpt}: the run has {hp.get('num_classes')} classes, the data has "
                          f"{num_classes}; resume on the run's data (its config.yaml data_dir)")
     summary = ckpt.parent.parent / "summary.json"
-    recorded = json.loads(summary.read_text()).get("class_names") if summary.is_file() else None
+    recorded = read_summary(summary).get("class_names") if summary.is_file() else None
     if recorded is not None and list(recorded) != list(class_names):
         raise ValueError(f"--resume {ckpt}: the data's classes {list(class_names)} are not the run's "
                          f"{list(recorded)}")
+
+
+LOCK_FILE = "run.lock"
+
+
+class RunLock:
+    """Holds a run directory for one process (``fcntl.flock`` on ``run_dir/run.lock``, which holds the holder's
+    pid while it runs and is empty after): a second process that tries to take it -> ValueError naming the
+    holder. The kernel drops the lock when its process dies, so the lock of a killed run is taken over (with one
+    line saying so). ``release`` (or the
+    process's end) gives it back; a lock this process still holds from an earlier ``fit`` that failed is given
+    back when it takes the directory again. Without ``fcntl`` (Windows) nothing is locked."""
+
+    _held: dict[Path, RunLock] = {}  # this process's locks, by path
+
+    def __init__(self, run_dir: Path):
+        self.path = (Path(run_dir) / LOCK_FILE).absolute()
+        self._file = None
+
+    def acquire(self) -> RunLock:
+        if fcntl is None:
+            return self
+        if self.path in RunLock._held:
+            RunLock._held[self.path].release()
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = self._holder()
+            self._file.close()
+            self._file = None
+            raise ValueError(f"run directory {self.path.parent} is in use by another train.py (process "
+                             f"{holder or 'unknown'}); wait for it to end or stop it, then resume") from None
+        stale = self._holder()
+        if stale and stale != str(os.getpid()):
+            print(f"run directory {self.path.parent}: taking over the lock of process {stale}, which has ended")
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"{os.getpid()}\n")
+        self._file.flush()
+        RunLock._held[self.path] = self
+        return self
+
+    def _holder(self) -> str:
+        self._file.seek(0)
+        return self._file.read().strip()
+
+    def release(self) -> None:
+        if self._file is not None:
+            RunLock._held.pop(self.path, None)
+            self._file.truncate(0)  # emptied, not removed: removing it would let two processes lock two files
+            self._file.close()  # closing drops the flock
+            self._file = None
 
 
 def create_run_dir(recipe: Recipe, run_dir: Path) -> Path | None:

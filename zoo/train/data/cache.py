@@ -52,13 +52,17 @@ def cache_path(source: Path, cache_dir: Path | None, img_size: int, limits: Limi
 
 
 def data_fingerprint(layout: str, source: Path) -> str:
-    """A hash of the data files: their names (ImageFolder) or names, sizes and mtimes (CIFAR batches)."""
+    """A hash of the data files: each file's name, size and modification time (ImageFolder files and CIFAR
+    batches), so contents replaced under the same names rebuild the cache."""
     h = hashlib.sha1(layout.encode())
     if layout == "imagefolder":
         for split in SPLITS:
             for folder in sorted(p for p in (source / split).iterdir() if p.is_dir()):
                 h.update(f"{split}/{folder.name}:".encode())
-                h.update("\0".join(sorted(e.name for e in os.scandir(folder))).encode())
+                entries = sorted((e for e in os.scandir(folder) if e.is_file()), key=lambda e: e.name)
+                for entry in entries:
+                    st = entry.stat()  # follows links, as the decoder does
+                    h.update(f"{entry.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
     else:
         for path in batch_files(source):
             st = path.stat()

@@ -7,6 +7,7 @@ whose one-line message names the folder, what it found and the layouts it expect
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torchvision
@@ -89,11 +90,28 @@ def _files(folder: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(folder) if e.is_file() and not e.name.startswith("."))
 
 
+def warn_odd_classes(root: Path, class_names: list[str]) -> None:
+    """A warning (one line) for each class folder that is a link to a folder outside ``root``, and each train/
+    class folder that holds no image file: both still count (the model gets an output for such a class), which
+    is rarely meant."""
+    inside = root.resolve()
+    for split in SPLITS:
+        for name in class_names:
+            folder = root / split / name
+            if folder.is_dir() and not folder.resolve().is_relative_to(inside):
+                warnings.warn(f"class folder {folder} links outside the data folder (to {folder.resolve()}); its "
+                              "images are read as class " + repr(name), stacklevel=3)
+            if split == "train" and not _files(folder):
+                warnings.warn(f"class folder {folder} holds no files but still counts as a class (the model gets "
+                              "an output for it): remove the folder if it is not one", stacklevel=3)
+
+
 def list_imagefolder(root: Path) -> tuple[list[str], dict[str, tuple[list[Path], list[int]]]]:
     """Class names (the sorted folders of train/) and, per split, the sorted file paths with their labels."""
     class_names = sorted(_class_folders(root / "train"))
     if not class_names:
         raise layout_error(root, f"{root}/train has no class folders")
+    warn_odd_classes(root, class_names)
     files: dict[str, tuple[list[Path], list[int]]] = {}
     for split in SPLITS:
         unknown = sorted(set(_class_folders(root / split)) - set(class_names))

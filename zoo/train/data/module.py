@@ -19,6 +19,7 @@ from lightning.fabric.utilities.data import suggested_max_num_workers
 from torch.utils.data import DataLoader, Dataset
 
 from ..distributed import ContiguousShard, GlobalBatchShard
+from ..preemption import EpochOrder
 from .augment import AlternatingFlip, BatchAugment, augment_config
 from .cache import cache_path, load_or_build
 from .layout import find_layout
@@ -54,6 +55,26 @@ def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return index.pin_memory().to(device, non_blocking=True)
     return index.to(device)
+
+
+class _TrainLoader(DataLoader):
+    """The training DataLoader: creating its iterator starts an epoch of ``order`` (before torch draws anything
+    from the shuffle generator), so a checkpoint can name the epoch's data order. Its own state is empty (the data
+    module's checkpoint state holds the order); having one tells Lightning that a mid-epoch resume is exact."""
+
+    def __init__(self, *args, order: EpochOrder, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.order = order
+
+    def __iter__(self):
+        self.order.start_epoch()
+        return super().__iter__()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 def _as_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +182,7 @@ class ImageDataModule(pl.LightningDataModule):
         self._cache_file: Path | None = None
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._shuffle = torch.Generator().manual_seed(seed)
+        self._order = EpochOrder(self._shuffle)  # the data order's place, in checkpoints (state_dict)
         self._augment: BatchAugment | None = None  # built once num_classes is known
 
     # ---------------------------------------------------------------- cache
@@ -237,6 +259,17 @@ class ImageDataModule(pl.LightningDataModule):
                              f"--cache-dir")
         return stream
 
+    def state_dict(self) -> dict:
+        """In a checkpoint: the training data order (``preemption.EpochOrder``) at the trainer's step."""
+        if self.trainer is None:
+            return {}
+        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return {"train_order": self._order.state_dict(done, done >= self.trainer.num_training_batches)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "train_order" in state:  # checkpoints written before the order was recorded continue approximately
+            self._order.load_state_dict(state["train_order"])
+
     def _current_epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer is not None else 0
 
@@ -262,9 +295,9 @@ class ImageDataModule(pl.LightningDataModule):
         world, rank = self._ranks()
         workers = self._workers() if isinstance(dataset, MappedBatches) else {"num_workers": 0}
         if train:  # batch_size is the global batch: this rank's slice of each one
-            sampler = GlobalBatchShard(dataset, self.batch_size, world, rank, self._shuffle)
-            return DataLoader(dataset, batch_size=sampler.local_batch, sampler=sampler, generator=self._shuffle,
-                              collate_fn=_as_batch, **workers)
+            sampler = GlobalBatchShard(dataset, self.batch_size, world, rank, self._shuffle, self._order.take_skip)
+            return _TrainLoader(dataset, batch_size=sampler.local_batch, sampler=sampler, generator=self._shuffle,
+                                collate_fn=_as_batch, order=self._order, **workers)
         return DataLoader(dataset, batch_size=-(-self.eval_batch_size // world),
                           sampler=ContiguousShard(dataset, world, rank), collate_fn=_as_batch, **workers)
 

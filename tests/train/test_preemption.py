@@ -1,0 +1,192 @@
+"""Preemption and exact resume: a signal at step k saves last.ckpt at step k (no summary.json, exit 128 + signal),
+and ``--resume auto`` then ends with the same weights as the same run uninterrupted (fp32, same seed: the data
+order, augmentation, stochastic depth and mixup all draw from the states the checkpoint carries). The reference is
+the uninterrupted run; a resume that drew one batch or one random number differently would differ from it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from zoo.train import cli
+from zoo.train import fit as fit_module
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS_PER_EPOCH = 4  # 96 images - 32 held out = 64, in batches of 16
+EPOCHS = 2
+
+
+@pytest.fixture(scope="module")
+def base_argv(cifar_dir, tmp_path_factory):
+    return ["--model", "vit_nano", "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path_factory.mktemp("cache")),
+            "--max-train-images", "96", "--max-test-images", "16", "--set", "val_size=32", "--batch-size", "16",
+            "--epochs", str(EPOCHS), "--precision", "32", "--accelerator", "cpu", "--limit-val-batches", "1",
+            "--limit-test-batches", "1", "--set", "ema_decay=0.9", "--set", "model_args.embed_dim=32",
+            "--set", "model_args.depth=1"]
+
+
+@pytest.fixture
+def argv(base_argv, tmp_path):
+    return [*base_argv, "--out", str(tmp_path / "runs")]
+
+
+class _AtStep(pl.Callback):
+    """Runs ``action(trainer)`` once, at the end of optimizer step ``step`` (of the first fit it sees)."""
+
+    def __init__(self, step: int, action):
+        self.step, self.action, self.done = step, action, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not self.done:
+            self.done = True
+            self.action(trainer)
+
+
+def _run(argv, monkeypatch=None, extra=None) -> int:
+    """cli.main(argv) in this process, with ``extra`` (a callback) added to the run's callbacks."""
+    build = fit_module.build_callbacks
+
+    def with_extra(plan, spent_s=0.0):
+        built = build(plan, spent_s)
+        return built._replace(all=[extra, *built.all]) if extra is not None else built
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fit_module, "build_callbacks", with_extra)
+        return cli.main(argv)
+
+
+def _only_run(tmp_path) -> Path:
+    (run,) = (tmp_path / "runs" / "vit_nano").iterdir()
+    return run
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == STEPS_PER_EPOCH * EPOCHS
+    return ckpt["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(base_argv, tmp_path_factory):
+    """The reference: the same run, not interrupted (its last.ckpt weights)."""
+    out = tmp_path_factory.mktemp("reference")
+    assert _run([*base_argv, "--out", str(out)]) == 0
+    (run,) = (out / "vit_nano").iterdir()
+    return _weights(run)
+
+
+def _assert_same(resumed: dict, reference: dict) -> None:
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize(("signum", "step"), [(signal.SIGTERM, 2), (signal.SIGINT, 5), (signal.SIGTERM, 4)],
+                         ids=["sigterm-mid-epoch0", "sigint-mid-epoch1", "sigterm-last-step-of-epoch0"])
+def test_signal_saves_at_the_step_and_resume_equals_the_uninterrupted_run(
+        argv, tmp_path, monkeypatch, capsys, uninterrupted, signum, step):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    code = _run(argv, monkeypatch, _AtStep(step, lambda trainer: os.kill(os.getpid(), signum)))
+    assert code == 128 + signum
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train.py:")]
+    assert len(err) == 1 and "--resume auto" in err[0] and signal.Signals(signum).name in err[0], err
+    run = _only_run(tmp_path)
+    assert not (run / "summary.json").exists()
+    saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == step
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are given back
+
+    assert _run([*argv, "--resume", "auto"], monkeypatch) == 0
+    assert _only_run(tmp_path) == run and (run / "summary.json").is_file()
+    _assert_same(_weights(run), uninterrupted)
+
+
+def test_resume_from_the_interval_checkpoint_after_a_hard_kill_equals_the_uninterrupted_run(
+        argv, tmp_path, monkeypatch, uninterrupted):
+    """kill -9 at step 7 (a crash: no handler runs, nothing is saved then) leaves the step-3 checkpoint of
+    --ckpt-every-n-steps 3... then step 6's; resuming from step 6 ends as the uninterrupted run."""
+
+    def crash(trainer):
+        raise MemoryError("simulated hard kill")
+
+    with pytest.raises(MemoryError):
+        _run([*argv, "--ckpt-every-n-steps", "3"], monkeypatch, _AtStep(7, crash))
+    run = _only_run(tmp_path)
+    saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 6
+    assert _run([*argv, "--ckpt-every-n-steps", "3", "--resume", "auto"], monkeypatch) == 0
+    _assert_same(_weights(run), uninterrupted)
+
+
+def test_interval_checkpoint_exists_three_minutes_into_a_run(argv, tmp_path, monkeypatch):
+    """On a scripted clock (each optimizer step takes 40 s), a run killed 3 minutes in has a last.ckpt from its
+    2-minute checkpoint (--ckpt-every-minutes 2, the default), though no step or epoch checkpoint was due."""
+    import lightning.pytorch.callbacks.model_checkpoint as model_checkpoint
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(model_checkpoint.time, "monotonic", lambda: clock["now"])
+    seen = {}
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            clock["now"] += 40.0
+
+    def look(trainer):  # at 3 minutes 20 s: what a kill -9 now would leave
+        last = tmp_path / "runs" / "vit_nano"
+        found = list(last.glob("*/checkpoints/last.ckpt"))
+        seen["step"] = torch.load(found[0], weights_only=True)["global_step"] if found else None
+        raise MemoryError("simulated hard kill")
+
+    class Both(pl.Callback):
+        def __init__(self):
+            self.clock, self.look = Clock(), _AtStep(5, look)
+
+        def on_train_batch_start(self, *args):
+            self.clock.on_train_batch_start(*args)
+
+        def on_train_batch_end(self, *args):
+            self.look.on_train_batch_end(*args)
+
+    with pytest.raises(MemoryError):
+        _run([*argv, "--ckpt-every-n-steps", "1000"], monkeypatch, Both())
+    assert seen["step"] == 3  # the first step to end at or after 2 minutes (3 x 40 s)
+
+
+def test_resume_auto_with_nothing_to_resume_says_so(argv, tmp_path, monkeypatch, capsys):
+    """--resume auto with no run to resume: one line, then a new run (stopped here at its first step)."""
+    code = _run([*argv, "--resume", "auto"], monkeypatch,
+                _AtStep(1, lambda trainer: os.kill(os.getpid(), signal.SIGUSR1)))
+    assert code == 128 + signal.SIGUSR1
+    out = capsys.readouterr().out
+    assert sum("--resume auto: no run of vit_nano" in line for line in out.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_sigterm_from_outside_exits_143_with_last_ckpt_at_that_step(argv, tmp_path):
+    """A real train.py process, SIGTERM from outside once its first checkpoint exists: exit 143, one line,
+    last.ckpt at or after that checkpoint's step, no summary.json."""
+    cmd = [sys.executable, str(REPO / "train.py"), *argv, "--epochs", "50", "--ckpt-every-n-steps", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline, found = time.time() + 240, []
+    while time.time() < deadline and proc.poll() is None and not found:
+        found = list((tmp_path / "runs").glob("vit_nano/*/checkpoints/last.ckpt"))
+        time.sleep(0.05)
+    assert found, "no checkpoint appeared"
+    first = torch.load(found[0], weights_only=True)["global_step"]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("train.py:")]
+    assert len(lines) == 1 and "SIGTERM" in lines[0] and "--resume auto" in lines[0]
+    run = found[0].parent.parent
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert first <= saved["global_step"] < 50 * STEPS_PER_EPOCH
+    assert not (run / "summary.json").exists()
