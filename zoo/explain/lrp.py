@@ -25,7 +25,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from timm.layers import Attention as TimmAttention
 from torch import nn
 

@@ -240,6 +240,21 @@ def applicable_methods(model: nn.Module) -> list[str]:
     return [m for m in METHODS if m in found | set(BASELINES)]
 
 
+def check_methods(model: nn.Module, methods: Sequence[str]) -> None:
+    """ValueError (one line) unless every name is a method of ``METHODS`` that applies to ``model`` or a
+    ``captum:NAME`` of a Captum class built from the forward function alone."""
+    applicable = applicable_methods(model)
+    for method in methods:
+        if method.startswith(CAPTUM_PREFIX):
+            from .captum_methods import captum_method
+
+            captum_method(method.removeprefix(CAPTUM_PREFIX))
+        elif method not in applicable:
+            what = "is not a method" if method not in METHODS else f"does not apply to {type(model).__name__}"
+            raise ValueError(f"{method!r} {what}; the methods that apply: {', '.join(applicable)}, or "
+                             "captum:NAME (a Captum attribution class)")
+
+
 def attribute(model: nn.Module, images: torch.Tensor, method: str, target: torch.Tensor | None = None,
               **options) -> torch.Tensor:
     """Heatmaps (B, gh, gw) or (B, h, w), float32 on the CPU, of ``method`` (one of ``METHODS``, or
