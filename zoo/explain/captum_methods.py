@@ -66,7 +66,7 @@ def captum_method(name: str) -> Callable[..., torch.Tensor]:
                          "method); use a class built from the forward function alone, e.g. IntegratedGradients")
 
     def method(model: nn.Module, images: torch.Tensor, target=None, **options) -> torch.Tensor:
-        images = images.detach()
+        images = images.detach().requires_grad_(True)  # what Captum's gradient methods want (else it warns)
         if callable(target):
             forward, index = (lambda x: target(model(x))), None
         else:

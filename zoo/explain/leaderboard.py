@@ -162,7 +162,7 @@ def best_method(rows: Iterable[dict], model: str) -> dict | None:
 
 def write_csv(rows: Iterable[dict], path: str | Path) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="nan")  # a p value a row lacks: NaN
         writer.writeheader()
         writer.writerows(rows)
 
