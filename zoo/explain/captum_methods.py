@@ -39,7 +39,8 @@ def _grid_defaults(name: str, images: torch.Tensor) -> dict:
     b, c, h, w = images.shape
     cell = (max(h // DEFAULT_GRID, 1), max(w // DEFAULT_GRID, 1))
     if name == "Occlusion":
-        return dict(sliding_window_shapes=(c, *cell), strides=(c, *cell))
+        # windows batched into one forward of about 256 images (Captum's default: one window per forward)
+        return dict(sliding_window_shapes=(c, *cell), strides=(c, *cell), perturbations_per_eval=max(1, 256 // b))
     if name in PATCH_FEATURES:
         rows = torch.arange(h, device=images.device) // cell[0]
         cols = torch.arange(w, device=images.device) // cell[1]
