@@ -112,7 +112,7 @@ def _faithfulness(tiny_run, out, *flags) -> list[dict]:
     with (out / "faithfulness.csv").open() as f:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == ("model", "method", "removal", "metric", "auc", "ci_low", "ci_high",
-                                            "p_vs_random", "p_vs_rollout", "num_images")
+                                            "p_vs_random", "p_vs_rollout", "num_images", "p_vs_baselines")
         return list(reader)
 
 
@@ -121,28 +121,38 @@ def test_faithfulness_leaderboard(tiny_run, tmp_path, capsys):
     from zoo.models import load_run
 
     methods = applicable_methods(load_run(tiny_run)[0])
-    assert methods == ["raw_attention", "rollout", "grad_rollout", "chefer2021", "random"]
+    assert methods == ["raw_attention", "rollout", "grad_rollout", "chefer2021", "attnlrp", "random", "centre",
+                       "edges"]
     out = tmp_path / "faithfulness"
     rows = _faithfulness(tiny_run, out, "--faithfulness-images", "20", "--sanity")
     assert "Best method: **" in capsys.readouterr().out
     assert {(r["method"], r["removal"], r["metric"]) for r in rows} == {
-        (m, "zero", metric) for m in methods for metric in ("deletion", "insertion")} and len(rows) == 10
+        (m, "zero", metric) for m in methods for metric in ("deletion", "insertion")} and len(rows) == 16
     for row in rows:
         assert row["model"] == "vit_nano" and row["num_images"] == "20"
         assert float(row["ci_low"]) <= float(row["auc"]) <= float(row["ci_high"])
         assert (row["p_vs_random"] == "nan") == (row["method"] == "random")
         assert (row["p_vs_rollout"] == "nan") == (row["method"] in ("rollout", "random"))
+        assert (row["p_vs_baselines"] == "nan") == (row["method"] in ("random", "centre", "edges"))
     md = (out / "faithfulness.md").read_text()
     assert "## vit_nano (20 test images)" in md and md.count("(best)") == 2 and "Sanity check (Adebayo" in md
     assert "| method | head | norm | blocks.5 |" in md
     for name in ("faithfulness_curves_vit_nano.png", "faithfulness_maps_vit_nano.png"):
         assert (out / name).stat().st_size > 10_000
     full = _faithfulness(tiny_run, tmp_path / "full", "--faithfulness-images", "10", "--full-grid",
-                         "--absolute-scale")
+                         "--absolute-scale", "--methods", "rollout,attnlrp")
     assert {(r["method"], r["removal"], r["metric"]) for r in full} == {
-        (m, removal, metric) for m in methods for removal in ("zero", "blur", "mean", "road")
-        for metric in ("deletion", "insertion")} and len(full) == 5 * 4 * 2
+        (m, removal, metric) for m in ("rollout", "attnlrp", "random", "centre", "edges")
+        for removal in ("zero", "blur", "mean", "road") for metric in ("deletion", "insertion")} and len(full) == 40
     assert {r["num_images"] for r in full} == {"10"}
+
+
+def test_faithfulness_refuses_a_method_that_does_not_apply(tiny_run, tmp_path, capsys):
+    assert eval_cli.main(["--faithfulness", str(tiny_run), "--out", str(tmp_path / "f"),
+                          "--methods", "attnlrp,gradcam"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'gradcam' does not apply to VisionTransformer; the methods that apply: " in err
+    assert not (tmp_path / "f").exists()
 
 
 @pytest.mark.parametrize("name", shipped_models())

@@ -19,12 +19,13 @@ def test_rows_cover_every_applicable_method_removal_and_metric(tmp_path):
     images, labels = torch.randn(6, 3, 32, 32), torch.arange(6)
     rows = faithfulness_rows(model, images, labels, model_name="hybrid_tiny", removals=("zero", "mean"),
                              fractions=(0.0, 0.5, 1.0), batch_size=4)
-    assert len(rows) == 7 * 2 * 2
+    assert len(rows) == 10 * 2 * 2
     assert {r["method"] for r in rows} == set(zoo.explain.METHODS)
     for row in rows:
         assert row["num_images"] == 6 and row["ci_low"] <= row["auc"] <= row["ci_high"]
         assert math.isnan(row["p_vs_random"]) == (row["method"] == "random")
         assert math.isnan(row["p_vs_rollout"]) == (row["method"] in ("rollout", "random"))
+        assert math.isnan(row["p_vs_baselines"]) == (row["method"] in ("random", "centre", "edges"))
     write_csv(rows, tmp_path / "faithfulness.csv")
     with open(tmp_path / "faithfulness.csv") as f:
         read = list(csv.DictReader(f))
@@ -39,7 +40,7 @@ def test_shared_end_points_equal_scoring_every_fraction():
     model = zoo.create_model("vit_nano").eval()
     images, labels = torch.randn(5, 3, 32, 32), torch.arange(5)
     heatmaps = method_heatmaps(model, images, labels, methods=["rollout", "chefer2021"])
-    assert list(heatmaps) == ["rollout", "chefer2021", "random"]
+    assert list(heatmaps) == ["rollout", "chefer2021", "random", "centre", "edges"]
     curves = faithfulness_curves(model, images, labels, heatmaps, removals=("zero", "blur"), batch_size=16)
     for (removal, metric), by_method in curves.items():
         for method, curve in by_method.items():
@@ -54,7 +55,8 @@ def test_best_method_and_csv_round_trip(tmp_path):
     def row(method, removal, metric, auc):
         return {"model": "m", "method": method, "removal": removal, "metric": metric, "auc": auc,
                 "ci_low": auc - 0.01, "ci_high": auc + 0.01, "p_vs_random": math.nan if method == "random" else 0.01,
-                "p_vs_rollout": math.nan if method in ("random", "rollout") else 0.02, "num_images": 10}
+                "p_vs_rollout": math.nan if method in ("random", "rollout") else 0.02, "num_images": 10,
+                "p_vs_baselines": math.nan if method == "random" else 0.03}
 
     rows = [row("random", "zero", "deletion", 0.1), row("rollout", "zero", "deletion", 0.3),
             row("gradcam", "zero", "deletion", 0.2), row("rollout", "zero", "insertion", 0.6),
@@ -68,6 +70,7 @@ def test_best_method_and_csv_round_trip(tmp_path):
     read = read_csv(tmp_path / "faithfulness.csv")
     assert read[2]["auc"] == 0.2 and read[2]["num_images"] == 10 and math.isnan(read[0]["p_vs_random"])
     assert read[2]["p_vs_rollout"] == 0.02 and math.isnan(read[1]["p_vs_rollout"])
+    assert read[2]["p_vs_baselines"] == 0.03 and math.isnan(read[0]["p_vs_baselines"])
 
 
 def test_a_csv_from_before_p_vs_rollout_still_reads(tmp_path):
@@ -77,6 +80,7 @@ def test_a_csv_from_before_p_vs_rollout_still_reads(tmp_path):
     path.write_text(",".join(EARLIER_COLUMNS) + "\nm,chefer2021,zero,deletion,0.2,0.19,0.21,0.001,1000\n")
     (row,) = read_csv(path)
     assert row["p_vs_random"] == 0.001 and math.isnan(row["p_vs_rollout"]) and row["num_images"] == 1000
+    assert math.isnan(row["p_vs_baselines"])
     path.write_text("model,method,auc\nm,rollout,0.2\n")
     with pytest.raises(ValueError, match="is not a faithfulness.csv: expected the columns"):
         read_csv(path)
@@ -108,3 +112,32 @@ def test_p_vs_rollout_equals_scipys_exact_paired_permutation_test(metric):
     no_rollout = rows_from_curves({("zero", metric): {m: curves[m] for m in ("chefer2021", "random")}},
                                   model_name="m", fractions=fractions)
     assert all(math.isnan(r["p_vs_rollout"]) for r in no_rollout)
+
+
+def test_the_flag_marks_methods_that_do_not_beat_the_best_baseline():
+    """A synthetic board of 40 images, deletion (lower AUC wins): centre beats random and edges, "strong" beats
+    centre on every image, "tied" is centre plus symmetric noise, "between" beats random and edges but not centre.
+    p_vs_baselines pairs each with centre (the best baseline), against the same test written out here."""
+    from zoo.explain.faithfulness_report import faithfulness_markdown
+    from zoo.explain.leaderboard import rows_from_curves
+    from zoo.explain.perturbation import auc, paired_p_value
+
+    fractions = (0.0, 0.5, 1.0)
+    generator = torch.Generator().manual_seed(0)
+    base = torch.rand(40, 3, generator=generator, dtype=torch.float64) * 0.2 + 0.4
+    noise = torch.randn(40, 3, generator=generator, dtype=torch.float64) * 0.01
+    curves = {"strong": base - 0.2, "tied": base + noise, "between": base + 0.05, "random": base + 0.2,
+              "centre": base, "edges": base + 0.1}
+    rows = rows_from_curves({("zero", "deletion"): curves}, model_name="m", fractions=fractions)
+    by = {r["method"]: r for r in rows}
+    for method in ("strong", "tied", "between"):
+        expected = paired_p_value(auc(fractions, curves["centre"]), auc(fractions, curves[method]))
+        assert by[method]["p_vs_baselines"] == pytest.approx(expected)
+    assert by["strong"]["p_vs_baselines"] < 0.01 and by["between"]["p_vs_baselines"] > 0.99
+    assert by["between"]["p_vs_random"] < 0.01  # it beats random: only the stronger baselines expose it
+    assert all(math.isnan(by[b]["p_vs_baselines"]) for b in ("random", "centre", "edges"))
+    table = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")[-1]
+             for line in faithfulness_markdown(rows, {"m": 40}).splitlines() if line.startswith("| ")}
+    assert table["strong"] == "ok"
+    assert table["between"] == "**not above baselines**: deletion, zero"
+    assert table["random"] == table["centre"] == table["edges"] == "baseline"

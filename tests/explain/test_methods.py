@@ -162,17 +162,19 @@ def test_class_specific_methods_follow_the_target_logits_gradient(method):
 
 def test_applicable_methods_and_shapes():
     images = torch.randn(2, 3, 32, 32)
-    expected = {"vit_nano": ["raw_attention", "rollout", "grad_rollout", "chefer2021", "gradcam", "random"],
-                "hybrid_tiny": list(METHODS), "resnet18_cbam": ["gradcam", "cbam_gate", "random"],
-                "resnet18": ["gradcam", "random"]}
+    baselines = ["random", "centre", "edges"]
+    expected = {"vit_nano": ["raw_attention", "rollout", "grad_rollout", "chefer2021", "attnlrp", "gradcam",
+                             *baselines],
+                "hybrid_tiny": list(METHODS), "resnet18_cbam": ["gradcam", "cbam_gate", *baselines],
+                "resnet18": ["gradcam", *baselines]}
     for name, methods in expected.items():
         model = zoo.create_model(name).eval()
         assert applicable_methods(model) == methods
         for method in methods:
             heatmap = attribute(model, images, method)
             assert heatmap.dim() == 3 and len(heatmap) == 2 and heatmap.dtype == torch.float32
-            assert torch.isfinite(heatmap).all() and (heatmap >= 0).all()
-    assert CLASS_SPECIFIC == {"grad_rollout", "chefer2021", "gradcam"}
+            assert torch.isfinite(heatmap).all() and (method == "attnlrp" or (heatmap >= 0).all())  # LRP: signed
+    assert CLASS_SPECIFIC == {"grad_rollout", "chefer2021", "attnlrp", "gradcam"}
 
 
 def test_attribute_rejects_bad_arguments():

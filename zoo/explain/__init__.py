@@ -1,5 +1,6 @@
 """Explaining what the models look at: recording attention maps and CBAM gates (``record``), attention rollout
-and heatmaps (``rollout``), every explanation method behind one call, ``attribute`` (``methods``), the deletion
+and heatmaps (``rollout``), every explanation method behind one call, ``attribute`` (``methods``; AttnLRP's
+rules in ``lrp``, Captum's classes as ``captum:NAME`` through ``captum_methods``), the deletion
 test of faithfulness (``faithfulness``), deletion / insertion curves with statistics (``perturbation``), the
 faithfulness leaderboard (``leaderboard``; ``faithfulness_report`` for whole runs, what ``eval.py --faithfulness``
 does), the model-randomisation sanity check (``sanity``), evaluation and comparison reports of trained runs

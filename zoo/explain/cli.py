@@ -5,7 +5,8 @@
     python eval.py --pretrained hybrid_tiny --data-dir DIR --out eval/hybrid_tiny [--attention ...]
     python eval.py --compare runs/vit_tiny/<id> runs/resnet18_cbam/<id> --out eval/compare
     python eval.py --faithfulness runs/hybrid_tiny/<id> [pretrained:NAME ...] --out eval/faithfulness
-                   [--faithfulness-images 1000] [--full-grid] [--sanity] [--absolute-scale]
+                   [--faithfulness-images 1000] [--methods attnlrp,captum:IntegratedGradients] [--full-grid]
+                   [--sanity] [--absolute-scale]
     python eval.py --report pretrained:hybrid_tiny pretrained:vit_nano --out eval/report [--faithfulness-images N]
     python eval.py --bench-suite --out bench [--data-dir DIR]
 
@@ -57,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deletion-images", type=int, default=256, help="test images for the deletion test")
     p.add_argument("--faithfulness-images", type=int, default=1000,
                    help="test images for --faithfulness, the same number from every class")
+    p.add_argument("--methods", type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
+                   help="--faithfulness scores only these methods, comma-separated (zoo methods such as attnlrp, "
+                   "chefer2021, or captum:NAME for a Captum attribution class; default every zoo method that "
+                   "applies); the baselines random, centre and edges are always scored")
     p.add_argument("--full-grid", action="store_true",
                    help="--faithfulness with every removal (zero, blur, mean, road) instead of zero only (~5x "
                    "slower)")
@@ -114,7 +119,7 @@ def main(argv=None) -> int:
             from zoo.explain.perturbation import REMOVALS
 
             faithfulness_report(args.faithfulness, args.out, data_dir=args.data_dir,
-                                num_images=args.faithfulness_images,
+                                num_images=args.faithfulness_images, methods=args.methods,
                                 removals=REMOVALS if args.full_grid else DEFAULT_REMOVALS, sanity=args.sanity,
                                 absolute_scale=args.absolute_scale, batch_size=args.batch_size, device=args.device,
                                 cache_dir=args.cache_dir)

@@ -5,7 +5,8 @@ under the chosen removals with CIs and the paired tests against random and rollo
 into ``out``:
 
 - faithfulness.csv: ``leaderboard.COLUMNS``, one row per model x method x removal x metric;
-- faithfulness.md: a table per model with the best method of each column marked, and with ``sanity`` the
+- faithfulness.md: a table per model with the best method of each column marked, a flag on every method that
+  does not beat the best of the baselines (random, centre, edges) with p < 0.01 in some column, and with ``sanity`` the
   model-randomisation check (``sanity``) as a table of rank correlations;
 - faithfulness_curves_<model>.png: the mean curves with bootstrap bands; faithfulness_maps_<model>.png: the same
   test images explained by every method (absolute colour scale with ``absolute_scale``).
@@ -27,6 +28,7 @@ from ..train.data import ImageDataModule
 from ..train.device import eval_device
 from . import figures as viz
 from . import leaderboard as board
+from .methods import check_methods
 from .perturbation import FRACTIONS, METRICS, REMOVALS
 from .report import check_data_classes, check_out_dir, data_module_for
 from .sanity import cascading_randomisation
@@ -60,13 +62,16 @@ def _slug(label: str) -> str:
 
 
 def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_dir: str | None = None,
-                        num_images: int = 1000, removals: Sequence[str] = DEFAULT_REMOVALS,
+                        num_images: int = 1000, methods: Sequence[str] | None = None,
+                        removals: Sequence[str] = DEFAULT_REMOVALS,
                         sanity: bool = False, sanity_images: int = 100, grid_images: int = 6,
                         absolute_scale: bool = False, batch_size: int = 256, device: str | None = None,
                         cache_dir: str | None = None, seed: int = 0, progress: bool = True) -> list[dict]:
     """Everything ``eval.py --faithfulness`` does (see the module docstring); returns the CSV's rows. The sanity
     check runs on the first ``sanity_images`` of the images (spread over the classes too). A run given twice,
-    an unknown removal, a bad checkpoint or data whose classes are not the run's -> ValueError."""
+    an unknown removal, a bad checkpoint or data whose classes are not the run's -> ValueError. ``methods``:
+    default every one that applies to each model (``captum:NAME`` ones included when named); the baselines are
+    always scored."""
     out = Path(out)
     check_out_dir(out)
     if num_images < 1:
@@ -80,8 +85,10 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
         raise ValueError(f"--faithfulness got the same run more than once: {', '.join(twice)}")
     device = eval_device(device)
     loaded = [load_source(s) for s in sources]
-    for _, meta in loaded:  # every run's data checked before any is decoded
+    for model, meta in loaded:  # every run's data and methods checked before any image is decoded
         check_data_classes(meta, data_dir)
+        if methods is not None:
+            check_methods(model, methods)
     names = [meta["model_name"] for _, meta in loaded]
     rows, figures, sanity_found, counts = [], {}, {}, {}
     for source, (model, meta) in zip(sources, loaded, strict=True):
@@ -95,7 +102,8 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
         normalised = dm.normalize(images)
         counts[label] = len(images)
         print(f"{label}: explaining {len(images)} test images, removals {', '.join(removals)}", flush=True)
-        heatmaps = board.method_heatmaps(model, normalised, labels, batch_size=batch_size, seed=seed, progress=progress)
+        heatmaps = board.method_heatmaps(model, normalised, labels, methods=methods, batch_size=batch_size,
+                                         seed=seed, progress=progress)
         curves = board.faithfulness_curves(model, normalised, labels, heatmaps, removals=removals, metrics=METRICS,
                                      batch_size=batch_size, seed=seed, progress=progress)
         rows += board.rows_from_curves(curves, model_name=label, seed=seed)
@@ -124,6 +132,14 @@ def _cell(row: dict, best: bool) -> str:
     return f"**{text}** (best)" if best else text
 
 
+def _flag(rows: list[dict]) -> str:
+    """The flag cell of one method: the columns where it does not beat the best baseline with p < 0.01."""
+    if all(math.isnan(r["p_vs_baselines"]) for r in rows):
+        return "baseline"
+    failed = [f"{r['metric']}, {r['removal']}" for r in rows if not r["p_vs_baselines"] < board.BEATS_BASELINES_P]
+    return f"**not above baselines**: {'; '.join(failed)}" if failed else "ok"
+
+
 def faithfulness_markdown(rows: list[dict], counts: dict[str, int], sanity: dict[str, dict] | None = None) -> str:
     """faithfulness.md: what the numbers are, then per model a table (rows: methods, columns: metric x removal)
     with the best method of each column in bold, its headline best method, and its sanity check if run."""
@@ -133,7 +149,9 @@ def faithfulness_markdown(rows: list[dict], counts: dict[str, int], sanity: dict
              "the fully removed image (insertion: higher = more faithful); mean over the test images (spread "
              "evenly over the classes) with its bootstrap 95% CI, p = a one-sided paired sign-flip test that "
              "the method beats random on the same images, and p_rollout = the same test against rollout (where "
-             "the model has it). Bold: the best method (not random) in its column.", ""]
+             "the model has it). Bold: the best method (not a baseline) in its column. Flag: the columns where a "
+             f"method does not beat the best of the baselines (random, a centred Gaussian, the input's Sobel "
+             f"edges) with a paired p < {board.BEATS_BASELINES_P}.", ""]
     best = board.best_rows(rows)
     for model, count in counts.items():
         mine = [r for r in rows if r["model"] == model]
@@ -141,11 +159,12 @@ def faithfulness_markdown(rows: list[dict], counts: dict[str, int], sanity: dict
         methods = list(dict.fromkeys(r["method"] for r in mine))
         cell = {(r["method"], r["metric"], r["removal"]): r for r in mine}
         lines += [f"## {model} ({count} test images)", "",
-                  "| method | " + " | ".join(f"{m}, {r} removal" for m, r in columns) + " |",
-                  "|---|" + "---|" * len(columns)]
+                  "| method | " + " | ".join(f"{m}, {r} removal" for m, r in columns) + " | flag |",
+                  "|---|" + "---|" * (len(columns) + 1)]
         for method in methods:
             lines.append(f"| {method} | " + " | ".join(
-                _cell(cell[method, m, r], best.get((model, r, m)) is cell[method, m, r]) for m, r in columns) + " |")
+                _cell(cell[method, m, r], best.get((model, r, m)) is cell[method, m, r]) for m, r in columns)
+                + f" | {_flag([cell[method, m, r] for m, r in columns])} |")
         top = board.best_method(rows, model)
         if top is not None:
             vs_rollout = "" if math.isnan(top["p_vs_rollout"]) else f", p vs rollout {top['p_vs_rollout']:.2g}"

@@ -1,6 +1,7 @@
 """The faithfulness leaderboard of one model: every applicable explanation method (``methods``) scored by
 deletion and insertion AUC under each chosen removal (``perturbation``), with bootstrap 95% CIs and the one-sided
-paired tests against the random map and against rollout on the same images, as rows of ``faithfulness.csv``.
+paired tests against the random map, against rollout and against the best of the baselines (random, centre,
+edges) on the same images, as rows of ``faithfulness.csv``.
 
 The points of a curve where no patch or every patch is removed are the same for every method (the image itself,
 or the image with everything removed), so they are scored once per removal and shared."""
@@ -16,10 +17,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .methods import applicable_methods, attribute
+from .methods import BASELINES, applicable_methods, attribute
 from .perturbation import (
     FRACTIONS,
     METRICS,
+    auc,
     bootstrap_ci,
     faithfulness_summary,
     paired_auc_p_value,
@@ -27,20 +29,24 @@ from .perturbation import (
 )
 
 COLUMNS = ("model", "method", "removal", "metric", "auc", "ci_low", "ci_high", "p_vs_random", "p_vs_rollout",
-           "num_images")
-EARLIER_COLUMNS = tuple(c for c in COLUMNS if c != "p_vs_rollout")  # faithfulness.csv before p_vs_rollout
+           "num_images", "p_vs_baselines")
+WITHOUT_BASELINES = COLUMNS[:-1]  # faithfulness.csv before p_vs_baselines
+EARLIER_COLUMNS = tuple(c for c in WITHOUT_BASELINES if c != "p_vs_rollout")  # ... and before p_vs_rollout
+BEATS_BASELINES_P = 0.01  # faithfulness.md flags a method whose p_vs_baselines is not below this
 
 
 def method_heatmaps(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
                     methods: Sequence[str] | None = None, grid: int = 8, batch_size: int = 256, seed: int = 0,
                     progress: bool = False) -> dict[str, torch.Tensor]:
     """{method: heatmaps (B, gh, gw)} explaining ``labels`` for every method in ``methods`` (default every one
-    that applies), with "random" (on a ``grid`` x ``grid`` grid) always last, computed in batches."""
+    that applies), with the baselines ``BASELINES`` always last ("random" and "centre" on a ``grid`` x ``grid``
+    grid), computed in batches."""
     device = next(model.parameters()).device
-    methods = [m for m in (methods or applicable_methods(model)) if m != "random"] + ["random"]
+    methods = [m for m in (methods or applicable_methods(model)) if m not in BASELINES] + list(BASELINES)
     heatmaps = {}
     for method in tqdm(methods, desc="explaining", unit="method", disable=not progress, leave=False):
-        options = dict(grid=(grid, grid), seed=seed) if method == "random" else {}
+        options = (dict(grid=(grid, grid), seed=seed) if method == "random" else
+                   dict(grid=(grid, grid)) if method == "centre" else {})
         heatmaps[method] = torch.cat([
             attribute(model, images[i:i + batch_size].to(device), method, labels[i:i + batch_size].to(device),
                       **options) for i in range(0, len(images), batch_size)])
@@ -85,9 +91,14 @@ def rows_from_curves(curves: dict[tuple[str, str], dict[str, torch.Tensor]], *, 
                      fractions: Sequence[float] = FRACTIONS, seed: int = 0) -> list[dict]:
     """One row (``COLUMNS``) per (removal, metric) and method of ``faithfulness_curves``' result; "random" is the
     baseline every p_vs_random is paired against (its own is NaN), and "rollout", where the model has it, the one
-    every other method's p_vs_rollout is paired against (NaN for rollout, random and models without rollout)."""
+    every other method's p_vs_rollout is paired against (NaN for rollout, random and models without rollout);
+    p_vs_baselines pairs each method that is not a baseline against the baseline of ``BASELINES`` with the best
+    mean AUC in that column (NaN for the baselines themselves)."""
     rows = []
     for (removal, metric), by_method in curves.items():
+        baselines = [b for b in BASELINES if b in by_method]
+        sign = 1 if metric == "deletion" else -1
+        strongest = min(baselines, key=lambda b: sign * auc(fractions, by_method[b]).mean().item())
         for method, curve in by_method.items():
             summary = faithfulness_summary(fractions, curve, by_method["random"], metric=metric, seed=seed)
             if method == "random":
@@ -95,6 +106,8 @@ def rows_from_curves(curves: dict[tuple[str, str], dict[str, torch.Tensor]], *, 
             summary["p_vs_rollout"] = (
                 paired_auc_p_value(fractions, curve, by_method["rollout"], metric=metric, seed=seed)
                 if "rollout" in by_method and method not in ("rollout", "random") else math.nan)
+            summary["p_vs_baselines"] = (math.nan if method in BASELINES else paired_auc_p_value(
+                fractions, curve, by_method[strongest], metric=metric, seed=seed))
             rows.append({"model": model_name, "method": method, "removal": removal, "metric": metric, **summary})
     return rows
 
@@ -127,11 +140,11 @@ def curve_bands(curves: dict[tuple[str, str], dict[str, torch.Tensor]], *,
 
 
 def best_rows(rows: Iterable[dict]) -> dict[tuple[str, str, str], dict]:
-    """{(model, removal, metric): the row of the best method other than random} (deletion: lowest AUC,
+    """{(model, removal, metric): the row of the best method other than the baselines} (deletion: lowest AUC,
     insertion: highest)."""
     best = {}
     for row in rows:
-        if row["method"] == "random":
+        if row["method"] in BASELINES:
             continue
         key = row["model"], row["removal"], row["metric"]
         sign = 1 if row["metric"] == "deletion" else -1
@@ -149,22 +162,24 @@ def best_method(rows: Iterable[dict], model: str) -> dict | None:
 
 def write_csv(rows: Iterable[dict], path: str | Path) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="nan")  # a p value a row lacks: NaN
         writer.writeheader()
         writer.writerows(rows)
 
 
 def read_csv(path: str | Path) -> list[dict]:
-    """The rows of a faithfulness.csv, numbers as numbers (one written before p_vs_rollout existed gets NaN
-    there); a file with other columns -> ValueError."""
+    """The rows of a faithfulness.csv, numbers as numbers (one written before p_vs_rollout or p_vs_baselines
+    existed gets NaN there); a file with other columns -> ValueError."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) not in (COLUMNS, EARLIER_COLUMNS):
+        if tuple(reader.fieldnames or ()) not in (COLUMNS, WITHOUT_BASELINES, EARLIER_COLUMNS):
             raise ValueError(f"{path} is not a faithfulness.csv: expected the columns {', '.join(COLUMNS)}, got "
                              f"{', '.join(reader.fieldnames or ())}")
         rows = list(reader)
     for row in rows:
         row.setdefault("p_vs_rollout", "nan")
-        row |= {k: float(row[k]) for k in ("auc", "ci_low", "ci_high", "p_vs_random", "p_vs_rollout")}
+        row.setdefault("p_vs_baselines", "nan")
+        row |= {k: float(row[k]) for k in ("auc", "ci_low", "ci_high", "p_vs_random", "p_vs_rollout",
+                                           "p_vs_baselines")}
         row["num_images"] = int(row["num_images"])
     return rows

@@ -13,9 +13,16 @@ larger = more important, for the zoo's models and for timm's and torchvision's V
   hybrid: its ``stem``, the grid its attention sees); on a ViT, the output of the last block's first norm with
   the patch tokens laid out on the model's grid, prefix tokens dropped (``tokens_to_grid``).
 - ``cbam_gate``: the last CBAM spatial gate (Woo et al. 2018, https://arxiv.org/abs/1807.06521).
-- ``random``: uniform noise on the model's patch grid, the baseline every method must beat.
+- ``attnlrp``: AttnLRP (Achtibat et al., ICML 2024, https://arxiv.org/abs/2402.05602), input x gradient under
+  its propagation rules, at the image resolution (signed); see ``lrp``.
+- ``captum:NAME``: any Captum attribution class (Captum's ``NAME``), see ``captum``.
+- Baselines (``BASELINES``), which any method must beat: ``random`` (uniform noise on the model's patch grid),
+  ``centre`` (a fixed Gaussian blob in the middle of that grid: the centre prior of image datasets) and ``edges``
+  (the Sobel gradient magnitude of the input, at the image resolution).
 
-Class-specific methods (``CLASS_SPECIFIC``) explain the logit y_c of ``target`` (B,) (None: the predicted class).
+Class-specific methods (``CLASS_SPECIFIC``, and every ``captum:`` method) explain ``target``: per image a class
+index (B,), whose logit y_c is explained (None: the predicted class), or a callable mapping the logits (B, K) to
+one score per image (B,) (a multi-label sum, a margin), whose gradient is explained.
 Images are normalised (B, 3, H, W); maps come back as float32 on the CPU, (B, gh, gw) or (B, h, w)."""
 
 from __future__ import annotations
@@ -23,16 +30,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from einops import rearrange
+import torch.nn.functional as F
 from torch import nn
 
 from .eager import eager
+from .lrp import attnlrp as _attnlrp
 from .record import CLASS_ATTENTION, attention_modules, record_attention, spatial_gates
 from .rollout import attention_rollout, fuse_heads, patch_grid, rollout_heatmap, token_layout
 
-METHODS = ("raw_attention", "rollout", "grad_rollout", "chefer2021", "gradcam", "cbam_gate", "random")
-CLASS_SPECIFIC = frozenset({"grad_rollout", "chefer2021", "gradcam"})
-ATTENTION_METHODS = ("raw_attention", "rollout", "grad_rollout", "chefer2021")
+METHODS = ("raw_attention", "rollout", "grad_rollout", "chefer2021", "attnlrp", "gradcam", "cbam_gate", "random",
+           "centre", "edges")
+CLASS_SPECIFIC = frozenset({"grad_rollout", "chefer2021", "attnlrp", "gradcam"})
+ATTENTION_METHODS = ("raw_attention", "rollout", "grad_rollout", "chefer2021", "attnlrp")
+BASELINES = ("random", "centre", "edges")
+CAPTUM_PREFIX = "captum:"
 GRADCAM_LAYERS = ("layer4", "stem")  # tried in this order: the CBAM-ResNet's last stage, the hybrid's conv stem
 
 
@@ -60,6 +71,7 @@ def grad_weighted_rollout(maps: Sequence[torch.Tensor], grads: Sequence[torch.Te
 
 
 def _target(logits: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    """The class indices (B,) ``target`` names (None: the predicted class)."""
     if target is None:
         return logits.argmax(dim=-1)
     target = torch.as_tensor(target, device=logits.device).long().reshape(-1)
@@ -69,9 +81,21 @@ def _target(logits: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
     return target
 
 
-def _score(logits: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
-    """Sum over the batch of each image's target logit (images do not interact in eval mode)."""
-    return logits.gather(1, _target(logits, target)[:, None]).sum()
+def target_scores(logits: torch.Tensor, target) -> torch.Tensor:
+    """Each image's explained score (B,): ``target(logits)`` for a callable, else the logit of the class
+    ``target`` names (None: the predicted class). A callable that gives no (B,) tensor -> ValueError."""
+    if callable(target):
+        scores = target(logits)
+        if not isinstance(scores, torch.Tensor) or scores.shape != logits.shape[:1]:
+            raise ValueError(f"a target callable must map the logits (B={logits.shape[0]}, K) to one score per "
+                             f"image (B,), got {getattr(scores, 'shape', type(scores).__name__)}")
+        return scores
+    return logits.gather(1, _target(logits, target)[:, None])[:, 0]
+
+
+def _score(logits: torch.Tensor, target) -> torch.Tensor:
+    """Sum over the batch of each image's target score (images do not interact in eval mode)."""
+    return target_scores(logits, target).sum()
 
 
 def _self_attention(maps: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -200,6 +224,10 @@ def cbam_gate(model: nn.Module, images: torch.Tensor, target=None) -> torch.Tens
     return gates[-1][:, 0]
 
 
+def attnlrp(model: nn.Module, images: torch.Tensor, target=None, *, attention: str = "cp") -> torch.Tensor:
+    return _attnlrp(model, images, lambda logits: _score(logits, target), attention=attention)
+
+
 def random(model: nn.Module, images: torch.Tensor, target=None, *, grid: tuple[int, int] | None = None,
            seed: int = 0) -> torch.Tensor:
     """Uniform noise on ``grid``, by default the model's patch grid (``patch_grid``; 8 x 8 without one)."""
@@ -207,15 +235,41 @@ def random(model: nn.Module, images: torch.Tensor, target=None, *, grid: tuple[i
     return torch.rand(images.shape[0], *(grid or patch_grid(model) or (8, 8)), generator=generator)
 
 
+def centre(model: nn.Module, images: torch.Tensor, target=None, *, grid: tuple[int, int] | None = None,
+           sigma: float = 0.25) -> torch.Tensor:
+    """exp(-d^2 / (2 s^2)) on ``grid`` (by default ``random``'s: the model's patch grid, 8 x 8 without one), d the
+    distance of a cell's centre from the grid's centre and s = ``sigma`` x the shorter side, in cells: the same
+    map for every image, 1 at the centre."""
+    grid = grid or patch_grid(model) or (8, 8)
+    rows, cols = (torch.arange(n, dtype=torch.float32) - (n - 1) / 2 for n in grid)
+    distance2 = rows[:, None] ** 2 + cols[None, :] ** 2
+    blob = torch.exp(-distance2 / (2 * (sigma * min(grid)) ** 2))
+    return blob.expand(images.shape[0], *grid)
+
+
+SOBEL_X = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]])
+
+
+def edges(model: nn.Module, images: torch.Tensor, target=None) -> torch.Tensor:
+    """The Sobel gradient magnitude sqrt(sum_c gx_c^2 + gy_c^2) of the (normalised) input (B, H, W), each
+    channel filtered with the 3x3 Sobel kernels (cross-correlation) after reflect padding by one pixel."""
+    x = images.detach().float()
+    kernels = torch.stack([SOBEL_X, SOBEL_X.T]).to(x.device)[:, None]  # (2, 1, 3, 3): d/dx, d/dy
+    padded = F.pad(x.flatten(0, 1)[:, None], (1, 1, 1, 1), mode="reflect")
+    grads = F.conv2d(padded, kernels).unflatten(0, x.shape[:2])  # (B, C, 2, H, W)
+    return grads.pow(2).sum(dim=(1, 2)).sqrt()
+
+
 _FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "raw_attention": raw_attention, "rollout": rollout, "grad_rollout": grad_rollout, "chefer2021": chefer2021,
-    "gradcam": gradcam, "cbam_gate": cbam_gate, "random": random}
+    "attnlrp": attnlrp, "gradcam": gradcam, "cbam_gate": cbam_gate, "random": random, "centre": centre,
+    "edges": edges}
 
 
 def applicable_methods(model: nn.Module) -> list[str]:
     """The methods of ``METHODS`` that apply to ``model``, in that order: the attention ones where it has
     attention modules (``raw_attention`` alone for class attention, CaiT), ``gradcam`` where it has a default
-    Grad-CAM layer, ``cbam_gate`` where it has CBAM gates, and ``random`` always."""
+    Grad-CAM layer, ``cbam_gate`` where it has CBAM gates, and the baselines (``BASELINES``) always."""
     attention = attention_modules(model)
     found = set(ATTENTION_METHODS) if attention else set()
     if any(isinstance(m, CLASS_ATTENTION) for m in attention):
@@ -225,23 +279,47 @@ def applicable_methods(model: nn.Module) -> list[str]:
         found.add("gradcam")
     if spatial_gates(model):
         found.add("cbam_gate")
-    return [m for m in METHODS if m in found | {"random"}]
+    return [m for m in METHODS if m in found | set(BASELINES)]
+
+
+def check_methods(model: nn.Module, methods: Sequence[str]) -> None:
+    """ValueError (one line) unless every name is a method of ``METHODS`` that applies to ``model`` or a
+    ``captum:NAME`` of a Captum class built from the forward function alone."""
+    applicable = applicable_methods(model)
+    for method in methods:
+        if method.startswith(CAPTUM_PREFIX):
+            from .captum_methods import captum_method
+
+            captum_method(method.removeprefix(CAPTUM_PREFIX))
+        elif method not in applicable:
+            what = "is not a method" if method not in METHODS else f"does not apply to {type(model).__name__}"
+            raise ValueError(f"{method!r} {what}; the methods that apply: {', '.join(applicable)}, or "
+                             "captum:NAME (a Captum attribution class)")
 
 
 def attribute(model: nn.Module, images: torch.Tensor, method: str, target: torch.Tensor | None = None,
               **options) -> torch.Tensor:
-    """Heatmaps (B, gh, gw) or (B, h, w), float32 on the CPU, of ``method`` (one of ``METHODS``) for ``model``
-    (in eval mode) on normalised ``images`` (B, C, H, W), explaining class ``target`` (B,) (None: the predicted
-    class; ignored by methods not in ``CLASS_SPECIFIC``). ``options`` go to the method: ``head_fusion``,
-    ``discard_ratio`` (rollout), ``discard_ratio`` (grad_rollout), ``layer`` (gradcam), ``grid``, ``seed``
-    (random). No parameter's ``.grad`` is touched. A compiled model (``torch.compile``, ``compile: regions``) is
-    explained through its eager form: the same maps as the eager model."""
-    if method not in _FUNCTIONS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    """Heatmaps (B, gh, gw) or (B, h, w), float32 on the CPU, of ``method`` (one of ``METHODS``, or
+    ``captum:NAME``) for ``model`` (in eval mode) on normalised ``images`` (B, C, H, W), explaining ``target``:
+    class indices (B,) (None: the predicted class) or a callable logits (B, K) -> scores (B,); ignored by methods
+    not in ``CLASS_SPECIFIC``. ``options`` go to the method: ``head_fusion``, ``discard_ratio`` (rollout),
+    ``discard_ratio`` (grad_rollout), ``attention`` (attnlrp: "cp" or "attnlrp"), ``layer`` (gradcam), ``grid``,
+    ``seed`` (random), ``grid``, ``sigma`` (centre), and a Captum method's ``attribute`` arguments. No
+    parameter's ``.grad`` is touched. A compiled model (``torch.compile``, ``compile: regions``) is explained
+    through its eager form: the same maps as the eager model."""
+    if method.startswith(CAPTUM_PREFIX):
+        from .captum_methods import captum_method
+
+        function = captum_method(method.removeprefix(CAPTUM_PREFIX))
+    elif method in _FUNCTIONS:
+        function = _FUNCTIONS[method]
+    else:
+        raise ValueError(f"method must be one of {METHODS} or captum:NAME (a Captum attribution class), "
+                         f"got {method!r}")
     if not isinstance(images, torch.Tensor) or images.dim() != 4:
         raise ValueError(f"images must be (B, C, H, W), got {getattr(images, 'shape', type(images).__name__)}")
     if method in ATTENTION_METHODS and method not in (usable := applicable_methods(model)):
         raise ValueError(f"{method} needs attention maps over every token and {type(model).__name__} records "
                          f"none (no attention, windowed or class attention); methods that apply: {', '.join(usable)}")
     with eager(model) as plain:  # hooks and recorded weights need the eager forward (zoo.explain.eager)
-        return _FUNCTIONS[method](plain, images, target, **options).detach().float().cpu()
+        return function(plain, images, target, **options).detach().float().cpu()
