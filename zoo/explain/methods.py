@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from .eager import eager
