@@ -48,5 +48,5 @@ def test_bad_captum_names_give_one_line(model):
         attribute(model, torch.randn(1, 3, 32, 32), "captum:IntegratedGradient")
     with pytest.raises(ValueError, match="captum:LayerGradCam needs more than the model"):
         check_methods(model, ["captum:LayerGradCam"])
-    with pytest.raises(ValueError, match="'gradcam' does not apply to VisionTransformer; the methods that apply: "):
-        check_methods(model, ["attnlrp", "gradcam"])
+    with pytest.raises(ValueError, match="'cbam_gate' does not apply to VisionTransformer; the methods that apply: "):
+        check_methods(model, ["attnlrp", "cbam_gate"])  # a ViT has no CBAM gate

@@ -69,7 +69,7 @@ def test_report_renders_in_chromium_with_the_files_numbers(cifar_dir, tmp_path):
         assert shown[f"vit_nano|{key}"] == metrics["vit_nano"][key]
     with (out / "faithfulness.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 6 * 2  # 5 methods and random x deletion / insertion
+    assert len(rows) == 9 * 2  # 6 methods and 3 baselines x deletion / insertion
     for r in rows:
         for column in ("auc", "ci_low", "ci_high", "p_vs_random", "p_vs_rollout"):
             got = shown[f"{r['model']}|{r['method']}|{r['removal']}|{r['metric']}|{column}"]

@@ -61,8 +61,9 @@ def test_distilled_vit_reads_the_patches_after_both_prefix_tokens():
     expected = attention_rollout(list(rec.maps), num_prefix_tokens=2)[:, 0, 2:].reshape(2, 8, 8)
     torch.testing.assert_close(attribute(model, images, "rollout"), expected)
     grid = {m: tuple(attribute(model, images, m).shape[1:]) for m in applicable_methods(model)}
-    assert grid == {m: (8, 8) for m in ("raw_attention", "rollout", "grad_rollout", "chefer2021", "gradcam",
-                                        "random")}
+    pixels = {"attnlrp": (32, 32), "edges": (32, 32)}  # input-level methods: the image's resolution
+    assert grid == {m: pixels.get(m, (8, 8)) for m in ("raw_attention", "rollout", "grad_rollout", "chefer2021",
+                                                       "attnlrp", "gradcam", "random", "centre", "edges")}
 
 
 def test_eva_is_recorded_on_its_non_square_grid():
@@ -79,8 +80,10 @@ def test_eva_is_recorded_on_its_non_square_grid():
     expected = attention_rollout(rec.maps)[:, 1:, 1:].mean(1).reshape(2, 4, 6)
     torch.testing.assert_close(attribute(model, images, "rollout"), expected)
     methods = applicable_methods(model)
-    assert methods == ["raw_attention", "rollout", "grad_rollout", "chefer2021", "gradcam", "random"]
-    assert all(attribute(model, images, m).shape == (2, 4, 6) for m in methods)
+    assert methods == ["raw_attention", "rollout", "grad_rollout", "chefer2021", "attnlrp", "gradcam", "random",
+                       "centre", "edges"]
+    pixels = {"attnlrp", "edges"}  # input-level methods: the image's resolution
+    assert all(attribute(model, images, m).shape == ((2, 28, 42) if m in pixels else (2, 4, 6)) for m in methods)
 
 
 def test_cait_class_attention_gives_raw_attention_and_refuses_rollout():
@@ -92,19 +95,19 @@ def test_cait_class_attention_gives_raw_attention_and_refuses_rollout():
     class_rows = rec.maps[-1]  # the class-attention block: the class token queries 1 + 64 tokens
     assert class_rows.shape == (2, 3, 1, 65)
     torch.testing.assert_close(class_rows.sum(-1), torch.ones(2, 3, 1))
-    assert applicable_methods(model) == ["raw_attention", "gradcam", "random"]
+    assert applicable_methods(model) == ["raw_attention", "gradcam", "random", "centre", "edges"]
     torch.testing.assert_close(attribute(model, images, "raw_attention"),
                                class_rows.mean(1)[:, 0, 1:].reshape(2, 8, 8))
     assert attribute(model, images, "gradcam").shape == attribute(model, images, "random").shape == (2, 8, 8)
     with pytest.raises(ValueError, match="rollout needs attention maps .* methods that apply: raw_attention, "
-                       "gradcam, random"):
+                       "gradcam, random, centre, edges"):
         attribute(model, images, "rollout")
 
 
 def test_windowed_attention_is_refused_naming_the_methods_that_apply():
     model = small("swin_tiny_patch4_window7_224", img_size=32, window_size=4, embed_dim=24, depths=(1, 1),
                   num_heads=(1, 2))
-    with pytest.raises(ValueError, match=r"^chefer2021 needs attention maps .*methods that apply: random$"):
+    with pytest.raises(ValueError, match=r"^chefer2021 needs attention maps .*methods that apply: random, centre, edges$"):
         attribute(model, torch.randn(1, 3, 32, 32), "chefer2021")
 
 
