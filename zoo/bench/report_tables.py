@@ -261,7 +261,10 @@ def sparse_section(results: list[dict]) -> list[str]:
 def _auc(row: dict, key: str, best: float) -> str:
     """"0.456 [0.445, 0.467]" (measured to 3 decimals), bold where it is the model's best method's."""
     v = f"{row[key]:.3f} [{row[key + '_ci'][0]:.3f}, {row[key + '_ci'][1]:.3f}]"
-    return f"**{v}**" if row["method"] != "random" and row[key] == best else v
+    return f"**{v}**" if row["method"] not in BASELINES and row[key] == best else v
+
+
+BASELINES = ("random", "centre", "edges")  # zoo.explain.methods.BASELINES: maps any method must beat
 
 
 def faithfulness_section(results: list[dict]) -> list[str]:
@@ -269,20 +272,24 @@ def faithfulness_section(results: list[dict]) -> list[str]:
            "", "Area under the true class's probability as patches are removed most important first (deletion: "
            "lower = more faithful) or inserted into a blank image (insertion: higher = better); mean with bootstrap "
            "95% CI; p: one-sided paired sign-flip test against random, p_rollout: against rollout (0.0001 is the "
-           "floor). Bold: the best method of a model per curve."]
+           "floor); p_base: against the best of the baselines random, centre (a Gaussian blob) and edges (Sobel), where "
+           "measured. Bold: the best method of a model per curve."]
     for r in records_of(results, "faithfulness"):
         rows, lines = r["numbers"]["rows"], []
         for model in dict.fromkeys(row["model"] for row in rows):
-            mine = [row for row in rows if row["model"] == model and row["method"] != "random"]
+            mine = [row for row in rows if row["model"] == model and row["method"] not in BASELINES]
             best_del = min(row["deletion"] for row in mine)
             best_ins = max(row["insertion"] for row in mine)
             for i, row in enumerate(x for x in rows if x["model"] == model):
                 lines.append([f"`{model}`" if i == 0 else "", row["method"], _auc(row, "deletion", best_del),
-                              num(row["deletion_p"]), num(row["deletion_p_rollout"]), _auc(row, "insertion", best_ins),
-                              num(row["insertion_p"]), num(row["insertion_p_rollout"])])
-        out += ["", f"`{r['machine']['id']}`, {r['date']}; {r['numbers']['setting']}. Command: `{r['command']}`",
-                "",
-                *table(["model", "method", "deletion", "p", "p_rollout", "insertion", "p", "p_rollout"], lines)]
+                              num(row["deletion_p"]), num(row["deletion_p_rollout"]), num(row.get("deletion_p_base")),
+                              _auc(row, "insertion", best_ins), num(row["insertion_p"]),
+                              num(row["insertion_p_rollout"]), num(row.get("insertion_p_base"))])
+        note = f" {r['note']}." if r.get("note") else ""
+        out += ["", f"`{r['machine']['id']}`, {r['date']}; {r['numbers']['setting']}. Command: `{r['command']}`"
+                f"{note}", "",
+                *table(["model", "method", "deletion", "p", "p_rollout", "p_base", "insertion", "p", "p_rollout",
+                        "p_base"], lines)]
     return out
 
 

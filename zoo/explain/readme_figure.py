@@ -1,7 +1,7 @@
 """The README's figure: the shipped models (``hybrid_tiny``, ``vit_nano``) explaining the same few test images,
 one row per (model, method): each model's attention rollout and, where another method is more faithful for it
-(the faithfulness leaderboard in BENCHMARKS.md: gradient-weighted rollout for ``vit_nano``; rollout itself for
-``hybrid_tiny``), that method too. Each map is for the true class and scaled min->max on its own.
+(the newest faithfulness leaderboard of each model in BENCHMARKS.md: AttnLRP for ``vit_nano``; rollout itself
+for ``hybrid_tiny``), that method too. Each map is for the true class and scaled min->max on its own.
 
     python -m zoo.explain.readme_figure --data-dir DATA --out docs/figure.png
 """
@@ -18,8 +18,8 @@ from .faithfulness_report import balanced_test_images
 from .methods import attribute
 from .report import data_module_for
 
-# (shipped model, method) per row, in order; grad_rollout is vit_nano's most faithful method, rollout hybrid_tiny's.
-ROWS = (("hybrid_tiny", "rollout"), ("vit_nano", "rollout"), ("vit_nano", "grad_rollout"))
+# (shipped model, method) per row, in order; attnlrp is vit_nano's most faithful method, rollout hybrid_tiny's.
+ROWS = (("hybrid_tiny", "rollout"), ("vit_nano", "rollout"), ("vit_nano", "attnlrp"))
 
 
 def readme_figure(data_dir: str | None, out: str | Path, *, num_images: int = 5, rows=ROWS, dpi: int = 80) -> Path:
