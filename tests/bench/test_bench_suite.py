@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from zoo.bench import report_tables
@@ -60,6 +61,7 @@ def positive(value) -> bool:
     return isinstance(value, float) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow  # about a minute on 2 CPU cores; the default suite keeps smaller forms
 def test_quick_suite_writes_every_section_and_memory_claims_hold(cifar_dir, tmp_path):
     results = run_suite(tmp_path, data_dir=str(cifar_dir), quick=True, device="cpu")
     saved = json.loads((tmp_path / "bench.json").read_text())

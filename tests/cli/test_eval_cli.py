@@ -121,13 +121,13 @@ def test_faithfulness_leaderboard(tiny_run, tmp_path, capsys):
     from zoo.models import load_run
 
     methods = applicable_methods(load_run(tiny_run)[0])
-    assert methods == ["raw_attention", "rollout", "grad_rollout", "chefer2021", "attnlrp", "random", "centre",
-                       "edges"]
+    assert methods == ["raw_attention", "rollout", "grad_rollout", "chefer2021", "attnlrp", "gradcam", "random",
+                       "centre", "edges"]
     out = tmp_path / "faithfulness"
     rows = _faithfulness(tiny_run, out, "--faithfulness-images", "20", "--sanity")
     assert "Best method: **" in capsys.readouterr().out
     assert {(r["method"], r["removal"], r["metric"]) for r in rows} == {
-        (m, "zero", metric) for m in methods for metric in ("deletion", "insertion")} and len(rows) == 16
+        (m, "zero", metric) for m in methods for metric in ("deletion", "insertion")} and len(rows) == 18
     for row in rows:
         assert row["model"] == "vit_nano" and row["num_images"] == "20"
         assert float(row["ci_low"]) <= float(row["auc"]) <= float(row["ci_high"])
@@ -149,9 +149,9 @@ def test_faithfulness_leaderboard(tiny_run, tmp_path, capsys):
 
 def test_faithfulness_refuses_a_method_that_does_not_apply(tiny_run, tmp_path, capsys):
     assert eval_cli.main(["--faithfulness", str(tiny_run), "--out", str(tmp_path / "f"),
-                          "--methods", "attnlrp,gradcam"]) == 2
+                          "--methods", "attnlrp,cbam_gate"]) == 2  # a ViT has no CBAM gate
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'gradcam' does not apply to VisionTransformer; the methods that apply: " in err
+    assert err.count("\n") == 1 and "'cbam_gate' does not apply to VisionTransformer; the methods that apply: " in err
     assert not (tmp_path / "f").exists()
 
 

@@ -16,8 +16,15 @@ from zoo.train.recipe import AugmentConfig, Recipe
 SKIP = {"model"}  # given by --model
 KEYS = [f.name for f in dataclasses.fields(Recipe) if f.name not in SKIP] + [
     f"augment.{f.name}" for f in dataclasses.fields(AugmentConfig)]
-NUMERIC = [f.name for f in dataclasses.fields(Recipe) if type(f.default) in (int, float)] + [
-    f"augment.{f.name}" for f in dataclasses.fields(AugmentConfig) if type(f.default) in (int, float)]
+
+def numeric(f: dataclasses.Field) -> bool:
+    """A field typed int or float (optionally None): the annotation, as the defaults are factories."""
+    return str(f.type).split(" | ")[0] in ("int", "float")
+
+
+NUMERIC = [f.name for f in dataclasses.fields(Recipe) if numeric(f)] + [
+    f"augment.{f.name}" for f in dataclasses.fields(AugmentConfig) if numeric(f)]
+assert len(NUMERIC) > 10, NUMERIC  # the parametrisation below must not come out empty
 
 
 class DataReached(Exception):

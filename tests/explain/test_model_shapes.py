@@ -107,7 +107,8 @@ def test_cait_class_attention_gives_raw_attention_and_refuses_rollout():
 def test_windowed_attention_is_refused_naming_the_methods_that_apply():
     model = small("swin_tiny_patch4_window7_224", img_size=32, window_size=4, embed_dim=24, depths=(1, 1),
                   num_heads=(1, 2))
-    with pytest.raises(ValueError, match=r"^chefer2021 needs attention maps .*methods that apply: random, centre, edges$"):
+    with pytest.raises(ValueError,
+                       match=r"^chefer2021 needs attention maps .*methods that apply: random, centre, edges$"):
         attribute(model, torch.randn(1, 3, 32, 32), "chefer2021")
 
 

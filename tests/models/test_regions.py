@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import zoo
@@ -23,6 +24,7 @@ def test_compiles_each_cbam_and_block_once_and_keeps_the_names():
     assert compile_regions(cbam) == [""]  # a region itself: compiled whole, nothing inside it again
 
 
+@pytest.mark.slow  # about a minute on 2 CPU cores; the default suite keeps smaller forms
 def test_a_compiled_small_hybrid_equals_the_eager_one():
     """Forward and every parameter's gradient in fp32, against an eager copy with the same weights."""
     eager = zoo.create_model("hybrid_tiny", stem_chs=(8,), embed_dim=16, depth=1, num_heads=2).train()

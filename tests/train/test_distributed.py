@@ -122,6 +122,7 @@ def ranks_agree(record: Path) -> dict:
     return rank0
 
 
+@pytest.mark.slow  # about a minute on 2 CPU cores; the default suite keeps smaller forms
 def test_ddp_time_budget_stops_every_rank_on_one_step_after_a_resume(cifar_dir, tmp_path):
     """Rank 1 starts its clock 3 s after rank 0: a per-rank budget would fit different step counts (and hang or
     stop apart). A first part ends after 1 epoch (11 steps, past the budget's measurement, which the driver makes

@@ -235,7 +235,8 @@ def test_a_new_run_fits_the_whitening_filters_unless_the_recipe_says_not_to(fit_
 
     images = torch.randint(0, 256, (40, 3, 32, 32), dtype=torch.uint8)
     normalize = lambda x: (x.float() / 255 - 0.5) / 0.25  # noqa: E731
-    dm = SimpleNamespace(num_classes=10, normalize=normalize, train_dataset=SimpleNamespace(images=images))
+    train = torch.utils.data.TensorDataset(images, torch.zeros(40, dtype=torch.long))  # [:n] -> (images, labels)
+    dm = SimpleNamespace(num_classes=10, normalize=normalize, train_dataset=train)
     recipe = Recipe.from_dict({"model": "hybrid_tiny", "fit_whitening": fit_whitening})
     (layer,) = build_module(RunPlan(recipe, "cpu", "32", tmp_path, None), dm).whitening_layers
     expected = PatchWhitening(3, kernel_size=2, num_filters=12)  # the fixed random filters of a new layer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.run_files import read_metrics, read_summary
+from zoo.models.run_files import read_metrics, read_summary
 from zoo.train import cli
 from zoo.train.device import remembered_choice
 from zoo.train.runs import LOCK_FILE, RunLock

@@ -272,8 +272,8 @@ def faithfulness_section(results: list[dict]) -> list[str]:
            "", "Area under the true class's probability as patches are removed most important first (deletion: "
            "lower = more faithful) or inserted into a blank image (insertion: higher = better); mean with bootstrap "
            "95% CI; p: one-sided paired sign-flip test against random, p_rollout: against rollout (0.0001 is the "
-           "floor); p_base: against the best of the baselines random, centre (a Gaussian blob) and edges (Sobel), where "
-           "measured. Bold: the best method of a model per curve."]
+           "floor); p_base: against the best of the baselines random, centre (a Gaussian blob) and edges (Sobel), "
+           "where measured. Bold: the best method of a model per curve."]
     for r in records_of(results, "faithfulness"):
         rows, lines = r["numbers"]["rows"], []
         for model in dict.fromkeys(row["model"] for row in rows):

@@ -1,7 +1,8 @@
 """The README's figure: the shipped models (``hybrid_tiny``, ``vit_nano``) explaining the same few test images,
 one row per (model, method): each model's attention rollout and, where another method is more faithful for it
 (the newest faithfulness leaderboard of each model in BENCHMARKS.md: AttnLRP for ``vit_nano``; rollout itself
-for ``hybrid_tiny``), that method too. Each map is for the true class and scaled min->max on its own.
+for ``hybrid_tiny``), that method too. Each map is for the true class and scaled min->max on its own; a
+pixel-level map (AttnLRP) is averaged over the 8 x 8 patches the faithfulness test removes.
 
     python -m zoo.explain.readme_figure --data-dir DATA --out docs/figure.png
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import torch.nn.functional as F
 
 from ..models.checkpoints import load_shipped
 from . import figures as viz
@@ -36,7 +39,10 @@ def readme_figure(data_dir: str | None, out: str | Path, *, num_images: int = 5,
         shown, labels = balanced_test_images(dm, num_images)
         if images is None:
             images, captions = shown, [dm.class_names[i] for i in labels]
-        heatmaps[f"{name}\n{method}"] = attribute(model, dm.normalize(shown), method, labels)
+        heat = attribute(model, dm.normalize(shown), method, labels)
+        if heat.shape[-2:] == shown.shape[-2:]:  # a pixel map: over the 8 x 8 patches the faithfulness test removes
+            heat = F.avg_pool2d(heat[:, None], kernel_size=heat.shape[-1] // 8)[:, 0]
+        heatmaps[f"{name}\n{method}"] = heat
     fig = viz.methods_grid_figure(images.float() / 255, heatmaps, captions=captions,
                                   title="where the shipped models look")
     return viz.save(fig, out, dpi=dpi)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..layers.cbam import current_cbam_keys
-from ..run_files import read_summary
 from .registry import create_model, model_card, shipped_models
+from .run_files import read_summary
 
 
 def load_checkpoint(path: str | Path) -> dict:

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from ..atomic import atomic_write, atomic_write_csv, fcntl
 from ..models.checkpoints import load_checkpoint
-from ..run_files import read_metrics, read_summary
+from ..models.run_files import read_metrics, read_summary
 from .distributed import is_global_zero
 from .recipe import Recipe
 
