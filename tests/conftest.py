@@ -16,6 +16,27 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def write_image_tree(root: Path, size: int, counts=(("train", 8), ("test", 2)), classes: int = 10) -> Path:
+    """train/ and test/ ImageFolder trees of random ``size`` x ``size`` PNGs (seeded), ``classes`` classes."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in counts:
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def image_tree_writer():
+    """``write_image_tree``, for module fixtures that build their own tree."""
+    return write_image_tree
 DATA_ENV = "ZOO_DATA_DIR"
 CANDIDATES = (REPO.parent / "shared" / "data" / "cifar10", REPO / "data")
 

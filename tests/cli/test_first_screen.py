@@ -13,9 +13,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from zoo.train.forecast import RunForecast, format_duration, long_schedule_settings
 from zoo.train.recipe import resolve_config
@@ -29,17 +27,9 @@ LIBRARY_NOISE = ("💡 Tip", "GPU available:", "TPU available:", "Automatic Mixe
 
 
 @pytest.fixture(scope="module")
-def image_tree(tmp_path_factory):
+def image_tree(tmp_path_factory, image_tree_writer):
     """train/ and test/ ImageFolder trees of random 32 x 32 PNGs, 10 classes."""
-    root = tmp_path_factory.mktemp("tree")
-    rng = np.random.default_rng(0)
-    for split, count in (("train", 8), ("test", 2)):
-        for c in range(10):
-            folder = root / split / f"class{c}"
-            folder.mkdir(parents=True)
-            for i in range(count):
-                Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    return root
+    return image_tree_writer(tmp_path_factory.mktemp("tree"), 32)
 
 
 def test_first_screen_says_size_plan_and_time_without_library_noise(image_tree, tmp_path):

@@ -28,10 +28,8 @@ import traceback
 import weakref
 
 import lightning.pytorch as pl
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from torch.utils._pytree import tree_flatten
 
 from zoo.bench.dispatch import SYNC_OPS, OpCall, OpRecorder
@@ -171,17 +169,9 @@ class MeasureWindows(pl.Callback):
 
 
 @pytest.fixture(scope="module")
-def image_tree(tmp_path_factory):
+def image_tree(tmp_path_factory, image_tree_writer):
     """train/ and test/ ImageFolder trees of random 16 x 16 PNGs, 10 classes."""
-    root = tmp_path_factory.mktemp("tree")
-    rng = np.random.default_rng(0)
-    for split, count in (("train", 8), ("test", 2)):
-        for c in range(10):
-            folder = root / split / f"class{c}"
-            folder.mkdir(parents=True)
-            for i in range(count):
-                Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    return root
+    return image_tree_writer(tmp_path_factory.mktemp("tree"), 16)
 
 
 RECIPES = {
