@@ -15,7 +15,7 @@ sliding-window mask, as
 forward ("fwd", under no_grad) and forward + backward ("fwd+bwd"), time (interleaved medians) and peak memory
 (the tensors' peak, read from the allocator's events: ``timing.tensor_peak_memory``), plus flex's compile
 time (its first call minus a steady one; about 0 where an earlier row at the same shape compiled it).
-``sparse_claims`` reads the issue's goals off the rows.
+``sparse_claims`` reads the sparse backends' targets off the rows.
 
 Run: ``python -m zoo.bench.sparse --out DIR`` (``--quick`` for a smoke run of small sizes); ~10 minutes on
 2 CPU cores with the defaults. Writes ``DIR/sparse.json`` and ``DIR/sparse.md``.
@@ -147,7 +147,7 @@ def _row(rows: list[dict], n: int, window: int, mode: str) -> dict:
 
 
 def sparse_claims(rows: list[dict], n: int = 4096, window: int = 64) -> list[dict]:
-    """The issue's goals as claim rows (measured ratio; the goal in the claim's words), where the rows hold
+    """The sparse backends' targets as claim rows (measured ratio; the goal in the claim's words), where the rows hold
     what they need: flex inference and "auto" training against masked SDPA, training memory against dense,
     and the growth of the banded path's time and memory over N."""
     claims = []
