@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar, WeightAveraging
 
 from .device import synchronize
-from .forecast import RunForecast, format_duration, guess_val_time, steps_in_budget
+from .forecast import RunForecast, StepClock, format_duration, guess_val_time, steps_in_budget
 from .optim import ema_multi_avg_fn
 
 
@@ -37,7 +37,8 @@ class TimeBudget(pl.Callback):
         self.val_time: float | None = None
         self.total_steps: int | None = None
         self.elapsed_before = 0.0  # budget spent by earlier (killed) parts of a resumed run
-        self._t0 = self._skip_t = self._val_t = None
+        self._clock = StepClock()
+        self._t0 = self._val_t = None
 
     def state_dict(self) -> dict:
         return {"step_time": self.step_time, "val_time": self.val_time, "total_steps": self.total_steps,
@@ -57,12 +58,9 @@ class TimeBudget(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         done = trainer.global_step - self._start_step
-        if done == self.skip_steps:
-            synchronize(pl_module.device)
-            self._skip_t = time.perf_counter()
-        elif done == self.skip_steps + self.measure_steps and self.step_time is None:
-            synchronize(pl_module.device)
-            self.step_time = trainer.strategy.broadcast((time.perf_counter() - self._skip_t) / self.measure_steps)
+        measured = self._clock.tick(done, self.skip_steps, self.measure_steps, pl_module.device)
+        if measured is not None and self.step_time is None:
+            self.step_time = trainer.strategy.broadcast(measured)  # rank 0's clock decides
             self._refit(trainer, pl_module)
         if self.total_steps is not None and trainer.global_step >= self.total_steps:
             trainer.should_stop = True

@@ -45,6 +45,24 @@ def steps_in_budget(left_s: float, step_time: float, val_time: float, steps_per_
     return max(int((left_s - val_time) / (step_time + val_time / steps_per_epoch)), 1)
 
 
+class StepClock:
+    """The mean seconds of an optimizer step over the ``measure`` steps that follow the first ``skip`` of a fit
+    (those compile and warm caches), the device synchronised at both ends: ``tick`` after each step returns it
+    once, at step ``skip + measure``, else None."""
+
+    def __init__(self):
+        self._start: float | None = None
+
+    def tick(self, done: int, skip: int, measure: int, device) -> float | None:
+        if done == skip:
+            synchronize(device)
+            self._start = time.perf_counter()
+        elif done == skip + measure and self._start is not None:
+            synchronize(device)
+            return (time.perf_counter() - self._start) / measure
+        return None
+
+
 def long_schedule_settings(recipe) -> list[str]:
     """The recipe's settings that regularise for a schedule of many epochs (they slow learning in a few)."""
     augment, model_args = recipe.augment, recipe.model_args or {}
@@ -67,7 +85,8 @@ class RunForecast(pl.Callback):
         self.step_time: float | None = None
         self.val_time: float | None = None
         self.lines: list[str] = []  # what it printed, for tests and logs
-        self._t_skip = self._t_val = self._fit_t0 = None
+        self._clock = StepClock()
+        self._t_val = self._fit_t0 = None
         self._start_step = 0
 
     def _say(self, trainer, line: str) -> None:
@@ -91,12 +110,9 @@ class RunForecast(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         done = trainer.global_step - self._start_step
-        if done == self.skip_steps:
-            synchronize(pl_module.device)
-            self._t_skip = time.perf_counter()
-        elif done == self.skip_steps + self.measure_steps and self.step_time is None and self._t_skip is not None:
-            synchronize(pl_module.device)
-            self.step_time = (time.perf_counter() - self._t_skip) / self.measure_steps
+        measured = self._clock.tick(done, self.skip_steps, self.measure_steps, pl_module.device)
+        if measured is not None and self.step_time is None:
+            self.step_time = measured
             self._announce(trainer, pl_module)
 
     def on_validation_start(self, trainer, pl_module):
