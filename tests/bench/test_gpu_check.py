@@ -41,6 +41,8 @@ def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
         assert summary["test_top1"] == report[step]["test_top1"]
     assert report["speedrun"]["data"] == "JPEG image folder" or (cifar_dir / "cifar-10-batches-py").is_dir()
     assert set(report["speedrun"]) >= {"seconds_to_90", "seconds_to_94"}
+    profile = report["vit_tiny"]
+    assert profile["step_ms"] > 0 and profile["kernel_launches_per_step"] >= 0 and 0 <= profile["device_busy_share"]
     text = (out / "gpu_check.md").read_text()
     assert "## speedrun" in text and "## cuda_tests" in text
     assert done.stdout.strip().splitlines()[-1] == str(out / "gpu_check.md")
@@ -52,3 +54,38 @@ def test_without_a_gpu_the_real_check_refuses_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "zoo.bench.gpu_check", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "--dry-run" in done.stderr
+
+
+def test_steps_not_begun_within_the_time_limit_are_reported_and_the_report_is_written_after_each(tmp_path,
+                                                                                                  monkeypatch):
+    from zoo.bench import gpu_check
+
+    seen = []
+
+    def slow_environment():  # spends the whole limit; the report on disk must not have the next step yet
+        import time
+        time.sleep(0.3)
+        return {"torch": "x"}
+
+    def record(*args):
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text()))
+        return {}
+
+    monkeypatch.setattr(gpu_check, "environment", slow_environment)
+    monkeypatch.setattr(gpu_check, "cuda_tests", record)
+    report = gpu_check.run_check(tmp_path, skip=("suite",), time_limit=0.2)
+    assert report["environment"] == {"ok": True, "torch": "x", "seconds": report["environment"]["seconds"]}
+    assert not seen  # cuda_tests never ran
+    for step in ("cuda_tests", "vit_tiny", "speedrun"):
+        assert not report[step]["ok"] and "time limit" in report[step]["error"]
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == report
+    assert "## speedrun" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_step_subprocess_past_its_time_is_stopped_and_its_output_kept(tmp_path):
+    from zoo.bench.gpu_check import _run
+
+    log = tmp_path / "step.log"
+    with pytest.raises(RuntimeError, match="time limit"):
+        _run([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], log, timeout=3)
+    assert log.read_text() == "started\n"

@@ -5,18 +5,19 @@ one report (``gpu_check.json`` + ``gpu_check.md``):
 2. ``cuda_tests``: the CUDA-marked tests (``pytest -m cuda``: every attention backend forward and backward in
    bf16 / fp16 against fp32, flex's backward, CBAM / hybrid under autocast, training steps under
    ``torch.cuda.set_sync_debug_mode("error")``);
-3. ``suite``: the benchmark suite (``zoo.bench.suite.run_suite``: kernels vs timm and the floor, memory, MFU);
-4. ``vit_tiny``: a short ``train.py --model vit_tiny`` run: images/s, peak GPU memory, MFU against a large bf16
+3. ``vit_tiny``: a short ``train.py --model vit_tiny`` run: images/s, peak GPU memory, MFU against a large bf16
    matmul on the same GPU;
-5. ``speedrun``: ``hybrid_tiny`` with ``configs/gpu_speedrun.yaml`` (airbench-sized batch, bf16, compiled, batched
+4. ``speedrun``: ``hybrid_tiny`` with ``configs/gpu_speedrun.yaml`` (airbench-sized batch, bf16, compiled, batched
    Muon, TTA): wall seconds to 90% and 94% validation top-1 (94% needs the original CIFAR-10 images; a JPEG copy
-   tops out near 91% even for airbench94), and the test top-1.
+   tops out near 91% even for airbench94), and the test top-1;
+5. ``suite``: the benchmark suite (``zoo.bench.suite.run_suite``: kernels vs timm and the floor, memory, MFU).
 
 ``--dry-run`` runs every step with tiny sizes and no timings on whatever device there is (the default test suite
 runs it on the CPU), so the check cannot rot where no GPU is at hand. A step that fails is reported with its error
-and the others still run; the exit code is 1 when any step failed.
+and the others still run; the exit code is 1 when any step failed. The report is rewritten after every step, and
+``--time-limit`` bounds the whole check (a step still running then is stopped; later ones are not run).
 
-    python -m zoo.bench.gpu_check --data-dir DATA --out out/gpu_check
+    python -m zoo.bench.gpu_check --data-dir DATA --out out/gpu_check --time-limit 480
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from ..atomic import atomic_write, atomic_write_json
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: train.py, tests/ and configs/ live here
 TARGETS = (0.90, 0.94)  # validation top-1 whose wall time the speedrun reports
@@ -53,30 +56,38 @@ def environment() -> dict:
 
 
 def _run(cmd: list[str], log: Path, timeout: float) -> subprocess.CompletedProcess:
-    """``cmd`` from the checkout's root, its output kept in ``log``; a non-zero exit -> RuntimeError with its tail."""
+    """``cmd`` from the checkout's root, its output written to ``log`` as it comes (a check stopped from outside
+    keeps what each step printed); a non-zero exit or the timeout -> RuntimeError with the output's tail."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-    log.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[1:4])} ... exited {done.returncode}: {(done.stdout + done.stderr)[-600:]}")
-    return done
+    with open(log, "w") as f:
+        try:
+            code = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                                  env=env).returncode
+        except subprocess.TimeoutExpired:
+            code = f"nothing after {timeout:.0f} s (the check's time limit)"
+    output = log.read_text()
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:4])} ... exited {code}: {output[-600:]}")
+    return subprocess.CompletedProcess(cmd, 0, output, "")
 
 
-def cuda_tests(out: Path, dry_run: bool) -> dict:
+def cuda_tests(out: Path, timeout: float = 900) -> dict:
     """``pytest -m cuda``; counts from its closing line. Without a GPU every test skips (the dry run checks that
     they are collected and importable)."""
     done = _run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests/gpu"],
-                out / "cuda_tests.log", timeout=900)
-    last = done.stdout.strip().splitlines()[-1]
+                out / "cuda_tests.log", timeout)
+    last = next(line for line in reversed(done.stdout.splitlines()) if " in " in line and line.strip())
     counts = {word: int(n) for n, word in
               (part.strip().split()[:2] for part in last.split(" in ")[0].split(",")) if n.isdigit()}
     return {"summary": last, **counts}
 
 
 def train_run(out: Path, name: str, args: list[str], timeout: float) -> Path:
-    """``train.py`` as a user runs it; the run directory (the last line it prints)."""
+    """``train.py`` as a user runs it; the run directory (the last line it prints on stdout: the log holds stderr
+    too, so the last line naming a run directory)."""
     done = _run([sys.executable, "train.py", *args, "--out", str(out / "runs")], out / f"{name}.log", timeout)
-    return Path(done.stdout.strip().splitlines()[-1])
+    return next(Path(line.strip()) for line in reversed(done.stdout.splitlines())
+                if line.strip() and (Path(line.strip()) / "summary.json").is_file())
 
 
 def _data_args(data_dir: str | None, dry_run: bool) -> list[str]:
@@ -88,13 +99,13 @@ def _data_args(data_dir: str | None, dry_run: bool) -> list[str]:
     return args
 
 
-def vit_tiny(out: Path, data_dir: str | None, dry_run: bool) -> dict:
+def vit_tiny(out: Path, data_dir: str | None, dry_run: bool, timeout: float = 900) -> dict:
     """A short vit_tiny run of its own recipe: throughput, peak GPU memory and MFU against a large bf16 matmul."""
     from ..models import create_model, model_info
     from .suite import gemm_peak_flops
 
     budget = [] if dry_run else ["--max-time", "00:00:01:30"]
-    run = train_run(out, "vit_tiny", ["--model", "vit_tiny", *budget, *_data_args(data_dir, dry_run)], 900)
+    run = train_run(out, "vit_tiny", ["--model", "vit_tiny", *budget, *_data_args(data_dir, dry_run)], timeout)
     summary = json.loads((run / "summary.json").read_text())
     flops = model_info(create_model("vit_tiny"))["flops"]
     result = {"run": str(run), "precision": summary["precision"], "train_img_s": summary["train_images_per_s"],
@@ -103,7 +114,35 @@ def vit_tiny(out: Path, data_dir: str | None, dry_run: bool) -> dict:
         peak = gemm_peak_flops(device="cuda", dtype=torch.bfloat16)
         result.update(matmul_peak_tflops=peak / 1e12,
                       mfu=3 * flops * summary["train_images_per_s"] / peak)
-    return result
+    return {**result, **step_profile("vit_tiny", batch=8 if dry_run else 256, steps=2 if dry_run else 20)}
+
+
+def step_profile(name: str, batch: int, steps: int) -> dict:
+    """Where a training step's time goes (forward, loss, backward, AdamW on random images; bf16 autocast on CUDA):
+    the wall milliseconds of a step against the milliseconds the device spends in kernels (torch.profiler) and
+    the kernel launches per step. A device-busy share well under 1 means the host (Python, launches) sets the pace;
+    ``top_device_ops`` names the five ops with the most device time. Without a GPU the device figures are 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..models import create_model
+    from .timing import median_seconds, training_step
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    step = training_step(create_model(name).to(device), batch=batch, precision="bf16-mixed" if cuda else "32")
+    wall = median_seconds(step, device, warmup=3, repeats=steps)  # without the profiler's own overhead
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # microseconds -> ms per step
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:5]
+    return {"profile_batch": batch, "step_ms": 1e3 * wall, "device_busy_ms": busy,
+            "device_busy_share": busy / (1e3 * wall), "kernel_launches_per_step": sum(e.count for e in kernels) / steps,
+            "top_device_ops": [{"op": e.key[:80], "ms_per_step": e.self_device_time_total / 1e3 / steps}
+                               for e in top]}
 
 
 def time_to(metrics_csv: Path, targets=TARGETS) -> dict:
@@ -115,12 +154,12 @@ def time_to(metrics_csv: Path, targets=TARGETS) -> dict:
                                                    if float(r["val/top1"]) >= t), None) for t in targets}
 
 
-def speedrun(out: Path, data_dir: str | None, dry_run: bool) -> dict:
+def speedrun(out: Path, data_dir: str | None, dry_run: bool, timeout: float = 1200) -> dict:
     """hybrid_tiny with the GPU recipe: time to 90% / 94% validation top-1, test top-1, and which data it ran on."""
     config = str(REPO / "configs" / "gpu_speedrun.yaml")
     eager = ["--set", "compile=false"] if dry_run and not torch.cuda.is_available() else []  # a minute on a CPU
     run = train_run(out, "speedrun", ["--model", "hybrid_tiny", "--config", config, *eager,
-                                      *_data_args(data_dir, dry_run)], 1200)
+                                      *_data_args(data_dir, dry_run)], timeout)
     summary = json.loads((run / "summary.json").read_text())
     jpeg = bool(data_dir) and any(Path(data_dir, "train").glob("*/*.jpg"))
     return {"run": str(run), "data": "JPEG image folder" if jpeg else "CIFAR-10 batches (original images)",
@@ -152,27 +191,40 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-STEPS = ("environment", "cuda_tests", "suite", "vit_tiny", "speedrun")
+STEPS = ("environment", "cuda_tests", "vit_tiny", "speedrun", "suite")  # the order they run in: the goals first
 
 
-def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = False, skip=()) -> dict:
-    """Every step but those in ``skip``; writes OUT/gpu_check.json and OUT/gpu_check.md and returns the report."""
+def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = False, skip=(),
+              time_limit: float | None = None) -> dict:
+    """Every step but those in ``skip``, in ``STEPS``' order; OUT/gpu_check.json and OUT/gpu_check.md are written
+    after each step, so a check stopped from outside keeps what it measured. ``time_limit`` (seconds): a step's
+    subprocess is stopped when it runs out, and steps not begun by then are reported as not run."""
     from .suite import run_suite
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + (time_limit or float("inf"))
+
+    def left() -> float:
+        return min(max(deadline - time.monotonic(), 1.0), 1800.0)
+
     steps = {"environment": environment,
-             "cuda_tests": lambda: cuda_tests(out, dry_run),
+             "cuda_tests": lambda: cuda_tests(out, left()),
+             "vit_tiny": lambda: vit_tiny(out, data_dir, dry_run, left()),
+             "speedrun": lambda: speedrun(out, data_dir, dry_run, left()),
              "suite": lambda: {"results": str(out / "suite" / "bench.json"),
-                               **_suite_summary(run_suite(out / "suite", data_dir, quick=dry_run))},
-             "vit_tiny": lambda: vit_tiny(out, data_dir, dry_run),
-             "speedrun": lambda: speedrun(out, data_dir, dry_run)}
+                               **_suite_summary(run_suite(out / "suite", data_dir, quick=dry_run))}}
     report: dict = {"dry_run": dry_run, "skipped": list(skip)}
     for name, fn in steps.items():
-        if name not in skip:
+        if name in skip:
+            continue
+        if time.monotonic() >= deadline:
+            report[name] = {"ok": False, "error": f"not run: the check's time limit of {time_limit:.0f} s was spent"}
+            print(f"gpu_check: {name} not run (time limit)", flush=True)
+        else:
             _step(report, name, fn)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "gpu_check.md").write_text(markdown(report))
+        atomic_write_json(out / "gpu_check.json", report)
+        atomic_write(out / "gpu_check.md", lambda f: f.write(markdown(report).encode()))
     return report
 
 
@@ -230,12 +282,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for the report, the runs and the logs")
     p.add_argument("--dry-run", action="store_true", help="every step at tiny sizes, no timings (any device)")
     p.add_argument("--skip", nargs="*", default=[], choices=STEPS, help="steps to leave out")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="stop a step's subprocess when the check has run this long; later steps are not run")
     p.add_argument("--results", metavar="DIR", help="also record the measurements in DIR (results/) for the report")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU is visible; use --dry-run to check the steps on this machine", file=sys.stderr)
         return 2
-    report = run_check(args.out, args.data_dir, args.dry_run, args.skip)
+    report = run_check(args.out, args.data_dir, args.dry_run, args.skip, args.time_limit)
     print(Path(args.out) / "gpu_check.md")
     if args.results and not args.dry_run:  # a dry run's sizes are not numbers to report
         from . import results

@@ -12,7 +12,6 @@ Run: ``python eval.py --bench-suite --out DIR`` (``run_suite(out)`` from Python)
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from timm.layers import to_2tuple
 from torch import nn
 
+from ..atomic import atomic_write, atomic_write_json
 from ..layers.attention import MultiHeadAttention
 from ..layers.masks import sliding_window_mask, spec
 from ..models import create_model, list_models, model_info
@@ -342,8 +342,8 @@ def _table(rows: list[dict]) -> str:
 
 
 def run_suite(out: str | Path, data_dir: str | None = None, quick: bool = False, device=None) -> dict:
-    """Run every benchmark, write OUT/bench.json and OUT/bench.md, return the results. ``quick``: smaller
-    sizes and fewer repeats (a smoke run of the suite itself, not numbers to report)."""
+    """Run every benchmark, write OUT/bench.json and OUT/bench.md (after each section), return the results.
+    ``quick``: smaller sizes and fewer repeats (a smoke run of the suite itself, not numbers to report)."""
     device = torch.device(device or default_device())
     precision = "bf16-mixed" if device.type == "cuda" else "32"
     out = Path(out)
@@ -353,26 +353,39 @@ def run_suite(out: str | Path, data_dir: str | None = None, quick: bool = False,
     results["attention_op"] = bench_attention_op(ns=(33,) if quick else (65, 257, 1025),
                                                  batch=2 if quick else 32, repeats=repeats, device=device,
                                                  precision=precision)
+    _write(out, results)
     results["models"] = [bench_models("vit_tiny", train_batch=2 if quick else 128,
                                       infer_batch=2 if quick else 256, repeats=1 if quick else 3,
                                       device=device, precision=precision)]
+    _write(out, results)
     results["training_speed"] = bench_training_speed(["hybrid_tiny"] if quick else None,
                                                      batch=2 if quick else 128, repeats=1 if quick else 3,
                                                      device=device, precision=precision)
+    _write(out, results)
     results["memory"] = bench_memory(n=2049 if quick else 4097, device=device)
+    _write(out, results)
     results["mfu"] = [bench_mfu("vit_tiny", results["models"][0]["zoo_train_img_s"], device, precision)]
+    _write(out, results)
     subset = dict(max_train_images=2000, max_test_images=100, val_size=200) if quick else {}
     results["pipeline"] = bench_pipeline(data_dir, batches=5 if quick else 50, device=device, **subset)
     fastest = max(r["train_img_s"] for r in results["training_speed"])
     results["pipeline"]["vs_fastest_model_training"] = results["pipeline"]["img_s"] / fastest
+    _write(out, results)
     tiny = 2 if quick else 8  # bf16 on a CPU: a tiny batch only, to record what it costs there
     results["precision"] = [bench_precision(batch=128 if device.type == "cuda" else tiny, device=device,
                                             repeats=1 if quick else 3)]
+    _write(out, results)
     results["claims"] = bench_claims(results["memory"], results["precision"][0], n=257 if quick else 1025,
                                      batch=2 if quick else 8, repeats=repeats, device=device)
     results["claims"].append(bench_hybrid_vs_vit(batch=2 if quick else 128, repeats=1 if quick else 3,
                                                  device=device, precision=precision))
-    (out / "bench.json").write_text(json.dumps(results, indent=2))
-    sections = [f"## {k}\n\n{_table(v if isinstance(v, list) else [v])}\n" for k, v in results.items()]
-    (out / "bench.md").write_text("\n".join(sections))
+    _write(out, results)
     return results
+
+
+def _write(out: Path, results: dict) -> None:
+    """OUT/bench.json and OUT/bench.md of the sections measured so far (rewritten after each, so a suite stopped
+    from outside keeps them)."""
+    atomic_write_json(out / "bench.json", results)
+    sections = [f"## {k}\n\n{_table(v if isinstance(v, list) else [v])}\n" for k, v in results.items()]
+    atomic_write(out / "bench.md", lambda f: f.write("\n".join(sections).encode()))
