@@ -58,3 +58,26 @@ def test_compiled_cbam_gradient_is_finite_in_bf16():
     # bf16 ties in the maximum may route an element's gradient elsewhere: compare where most elements agree
     close = torch.isclose(grads[1], grads[0], atol=0.05, rtol=0.05)
     assert close.float().mean() > 0.99
+
+
+def test_cbam_compiled_with_its_neighbours_has_finite_gradients_in_bf16():
+    """CBAM compiled in one graph with the conv before it and the head after it (as ``compile: true`` compiles the
+    whole hybrid), backward under bf16 autocast: the channel gate's spatial maximum through ``amax`` gave NaN
+    gradients there (every conv of hybrid_tiny's stem NaN after the first step, on the CPU and on CUDA); the
+    gradients must be finite and those of the eager model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1, bias=False), torch.nn.GELU(),
+                                zoo.CBAM(16, reduction=4), torch.nn.Flatten(), torch.nn.Linear(16 * 8 * 8, 10))
+    model.to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (8,))
+    grads = []
+    for forward in (model, torch.compile(model)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            torch.nn.functional.cross_entropy(forward(x).float(), y).backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    for name, want in grads[0].items():
+        got = grads[1][name]
+        assert torch.isfinite(got).all(), name
+        assert (got - want).norm() <= 0.05 * want.norm(), name

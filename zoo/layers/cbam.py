@@ -47,6 +47,12 @@ def _channel_max(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=1, keepdim=True).values
 
 
+def _spatial_max(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, C, 1, 1) maximum over positions, through ``max``'s indices as ``_channel_max`` (``amax``
+    over (H, W) gives NaN gradients the same way: whole-model torch.compile under bf16 autocast, CPU and CUDA)."""
+    return x.flatten(2).max(dim=2).values[..., None, None]
+
+
 class ChannelAttention(nn.Module):
     """Channel gate: ``x * sigmoid(mlp(avgpool(x)) + mlp(maxpool(x)))`` with one shared MLP
     ``fc1`` (1x1 conv channels -> hidden), ReLU, ``fc2`` (hidden -> channels), no biases, and
@@ -65,7 +71,7 @@ class ChannelAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_image(x, self.channels)
         avg = self.fc2(self.act(self.fc1(x.mean(dim=(2, 3), keepdim=True))))
-        peak = self.fc2(self.act(self.fc1(x.amax(dim=(2, 3), keepdim=True))))
+        peak = self.fc2(self.act(self.fc1(_spatial_max(x))))
         return x * torch.sigmoid(avg + peak)
 
 
