@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.bench.gpu_check import time_to
+from zoo.bench.gpu_check import epoch_times, time_to
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,6 +25,7 @@ def test_time_to_accuracy_reads_the_first_validation_past_each_target(tmp_path):
                        "3,196,,0.941,22.0\n")  # 0.8999999761581421: 0.9 logged in float32
     assert time_to(metrics) == {"seconds_to_90": 11.0, "seconds_to_94": 22.0}
     assert time_to(metrics, (0.95,)) == {"seconds_to_95": None}
+    assert epoch_times(metrics) == {"first_epoch_s": 5.5, "later_epoch_s": 5.5}
 
 
 def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
@@ -41,7 +42,7 @@ def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
         summary = json.loads((Path(report[step]["run"]) / "summary.json").read_text())
         assert summary["test_top1"] == report[step]["test_top1"]
     assert report["speedrun"]["data"] == "JPEG image folder" or (cifar_dir / "cifar-10-batches-py").is_dir()
-    assert set(report["speedrun"]) >= {"seconds_to_90", "seconds_to_94"}
+    assert set(report["speedrun"]) >= {"seconds_to_90", "seconds_to_94", "first_epoch_s", "later_epoch_s"}
     profile = report["vit_tiny"]
     assert profile["step_ms"] > 0 and profile["kernel_launches_per_step"] >= 0 and 0 <= profile["device_busy_share"]
     text = (out / "gpu_check.md").read_text()

@@ -165,7 +165,17 @@ def speedrun(out: Path, data_dir: str | None, dry_run: bool, timeout: float = 12
     jpeg = bool(data_dir) and any(Path(data_dir, "train").glob("*/*.jpg"))
     return {"run": str(run), "data": "JPEG image folder" if jpeg else "CIFAR-10 batches (original images)",
             "epochs": summary["epochs"], "wall_time_s": summary["wall_time_s"], "test_top1": summary["test_top1"],
-            "train_img_s": summary["train_images_per_s"], **time_to(run / "metrics.csv")}
+            "train_img_s": summary["train_images_per_s"], **time_to(run / "metrics.csv"),
+            **epoch_times(run / "metrics.csv")}
+
+
+def epoch_times(metrics_csv: Path) -> dict:
+    """Wall seconds to the first validation (compilation and warm-up included) and the mean seconds of each
+    later epoch (training and validation), from ``time/elapsed_s``."""
+    with open(metrics_csv, newline="") as f:
+        elapsed = [float(r["time/elapsed_s"]) for r in csv.DictReader(f) if r.get("time/elapsed_s")]
+    later = (elapsed[-1] - elapsed[0]) / (len(elapsed) - 1) if len(elapsed) > 1 else None
+    return {"first_epoch_s": elapsed[0] if elapsed else None, "later_epoch_s": later}
 
 
 def _step(report: dict, name: str, fn: Callable[[], dict]) -> None:
@@ -239,6 +249,8 @@ def _suite_summary(results: dict) -> dict:
 def suite_record(found: dict, command: str) -> dict:
     """The suite's results (``run_suite``) as a ``zoo.bench.results`` "suite" record, in the report's fields."""
     from . import results
+    from .suite import gemm_setting
+    from .timing import PRECISIONS
 
     model, mfu = found["models"][0], found["mfu"][0]
     precision = model["precision"]
@@ -256,9 +268,15 @@ def suite_record(found: dict, command: str) -> dict:
                    for r in found["memory"]],
         "memory_setting": f"peak memory of one attention call, B=1, 3 heads, head dim 64, N={found['memory'][0]['n']}",
         "training_images_per_s": {r["model"]: r["train_img_s"] for r in found["training_speed"]},
+        "training_setting": f"batch {model['train_batch']}, precision {precision}",
         "mfu": {"model": mfu["model"], "achieved_gflops": mfu["achieved_gflops"],
                 "gemm_gflops": mfu["gemm_peak_gflops"], "mfu": mfu["mfu"]},
-        "pipeline_images_per_s": found["pipeline"]["img_s"]}
+        # bench.json files written before the GEMM was recorded: gemm_peak_flops' default for the device
+        "mfu_setting": mfu.get("gemm") or gemm_setting(torch.device("cuda" if found["machine"].get("gpu") else "cpu"),
+                                                       PRECISIONS[precision] or torch.float32),
+        "pipeline_images_per_s": found["pipeline"]["img_s"],
+        "pipeline_setting": f"batches of {found['pipeline']['batch']} from the uint8 cache on the device, "
+                            f"{found['pipeline'].get('augment', 'crop + flip')} augmentation, normalised"}
     return results.make("suite", "Attention and whole models against timm and the bare-torch floor", command,
                         numbers)
 

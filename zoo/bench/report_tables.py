@@ -169,14 +169,14 @@ def shipped_section(results: list[dict]) -> list[str]:
 def _rows_section(title: str, intro: str, records: list[dict], columns: list[tuple[str, str]],
                   cell: Callable = num) -> list[str]:
     out = [f"## {title}", "", intro]
-    for r in records:
+    for i, r in enumerate(records):
         rows = r["numbers"]["rows"]
         present = [(k, h) for k, h in columns if any(k in row for row in rows)]
         out += ["", f"{r['title']}: `{r['machine']['id']}`, {r['date']}. Command: `{r['command']}`", "",
                 *table([h for _, h in present], [[cell(row.get(k)) if k != "model" else f"`{row[k]}`"
                                                   for k, _ in present] for row in rows])]
-        if r.get("note"):
-            out += ["", r["note"]]
+        if r.get("note") and (i + 1 == len(records) or records[i + 1].get("note") != r["note"]):
+            out += ["", r["note"]]  # a note shared by consecutive records once, after the last of them
     return out
 
 
@@ -203,40 +203,42 @@ def optimizer_section(results: list[dict]) -> list[str]:
 
 
 def suite_section(results: list[dict]) -> list[str]:
-    out = ["## Attention kernels against timm and the floor"]
+    out = ["## Attention kernels against timm and the floor", "",
+           "zoo = `zoo.MultiHeadAttention` (backend auto = sdpa); timm = `timm.layers.Attention` with the same "
+           "weights; floor = bare `F.linear` + `F.scaled_dot_product_attention` + `F.linear`."]
     for r in records_of(results, "suite"):
         n = r["numbers"]
-        out += ["", f"`{r['machine']['id']}`, {r['date']}. zoo = `zoo.MultiHeadAttention` (backend auto = sdpa); "
-                "timm = `timm.layers.Attention` with the same weights; floor = bare `F.linear` + "
-                "`F.scaled_dot_product_attention` + `F.linear`.", "", f"Command: `{r['command']}`", "",
+        out += ["", f"`{r['machine']['id']}`, {r['date']}. Command: `{r['command']}`", "",
                 f"Attention op, {n['attention_op_setting']}:", "",
                 *table(["N", "zoo ms", "timm ms", "floor ms", "zoo / floor", "zoo / timm"],
                        [[num(x["n"]), num(x["zoo_ms"]), num(x["timm_ms"]), num(x["floor_ms"]),
                          f"{x['zoo_ms'] / x['floor_ms']:.3f}", f"{x['zoo_ms'] / x['timm_ms']:.3f}"]
                         for x in n["attention_op"]]),
-                "", f"Whole model, {n['whole_model_setting']}:", "",
-                *table(["", "zoo", "timm", "zoo / timm"],
-                       [[x["mode"], num(x["zoo"]), num(x["timm"]), f"{x['zoo'] / x['timm']:.3f}"]
-                        for x in n["whole_model"]])]
+                "", f"Whole model, {n['whole_model_setting']}: "
+                + "; ".join(f"{x['mode']}: zoo {num(x['zoo'])}, timm {num(x['timm'])} (zoo / timm "
+                            f"{x['zoo'] / x['timm']:.3f})" for x in n["whole_model"]) + "."]
         if "memory" in n:
-            out += ["", f"Memory, {n['memory_setting']}:", "",
-                    *table(["backend", "inference MiB", "forward + backward MiB"],
-                           [[x["backend"], num(x["inference_mib"]), num(x["train_mib"])] for x in n["memory"]])]
+            out.append(f"Memory, {n['memory_setting']}, MiB for inference / forward + backward: "
+                       + "; ".join(f"{x['backend']} {num(x['inference_mib'])} / {num(x['train_mib'])}"
+                                   for x in n["memory"]) + ".")
         extra = []
         if "training_images_per_s" in n:
             speeds = sorted(n["training_images_per_s"].items(), key=lambda kv: -kv[1])
-            extra.append("Training images/s of other models in the same run (batch 128, fp32): "
+            setting = n.get("training_setting", "batch 128, fp32")
+            extra.append(f"Training images/s of other models in the same run ({setting}): "
                          + ", ".join(f"`{k}` {num(v)}" for k, v in speeds) + ".")
         if "mfu" in n:
             m = n["mfu"]
             extra.append(f"Model FLOP utilisation, `{m['model']}` training: {num(m['achieved_gflops'])} GFLOP/s "
-                         f"against a 2048² fp32 GEMM's {num(m['gemm_gflops'])}: **MFU {num(m['mfu'])}**.")
+                         f"against the {num(m['gemm_gflops'])} of {n.get('mfu_setting', 'a 2048² fp32 GEMM')}: "
+                         f"**MFU {num(m['mfu'])}**.")
         if "pipeline_images_per_s" in n:
-            extra.append(f"Input pipeline alone (batches of 128 from the uint8 cache, crop + flip + normalise): "
+            setting = n.get("pipeline_setting", "batches of 128 from the uint8 cache, crop + flip + normalise")
+            extra.append(f"Input pipeline alone ({setting}): "
                          f"{num(n['pipeline_images_per_s'])} images/s.")
         if r.get("note"):
             extra.append(r["note"])
-        out += ["", *extra] if extra else []
+        out += extra
     return out
 
 
@@ -267,6 +269,11 @@ def _auc(row: dict, key: str, best: float) -> str:
 BASELINES = ("random", "centre", "edges")  # zoo.explain.methods.BASELINES: maps any method must beat
 
 
+def _board(setting: str) -> str:
+    """A faithfulness setting without the words that differ between records of the same measurement."""
+    return setting.replace(" per model", "")
+
+
 def faithfulness_section(results: list[dict]) -> list[str]:
     out = ["## Faithfulness of the explanations",
            "", "Area under the true class's probability as patches are removed most important first (deletion: "
@@ -274,8 +281,15 @@ def faithfulness_section(results: list[dict]) -> list[str]:
            "95% CI; p: one-sided paired sign-flip test against random, p_rollout: against rollout (0.0001 is the "
            "floor); p_base: against the best of the baselines random, centre (a Gaussian blob) and edges (Sobel), "
            "where measured. Bold: the best method of a model per curve."]
-    for r in records_of(results, "faithfulness"):
-        rows, lines = r["numbers"]["rows"], []
+    records = records_of(results, "faithfulness")
+    for r in records:
+        # a model's board measured again later in the same setting (its images, removal, patches) replaces this one
+        later = {row["model"] for newer in records if newer["date"] > r["date"]
+                 and _board(newer["numbers"]["setting"]) == _board(r["numbers"]["setting"])
+                 for row in newer["numbers"]["rows"]}
+        rows, lines = [row for row in r["numbers"]["rows"] if row["model"] not in later], []
+        if not rows:
+            continue
         for model in dict.fromkeys(row["model"] for row in rows):
             mine = [row for row in rows if row["model"] == model and row["method"] not in BASELINES]
             best_del = min(row["deletion"] for row in mine)
@@ -286,7 +300,7 @@ def faithfulness_section(results: list[dict]) -> list[str]:
                               _auc(row, "insertion", best_ins), num(row["insertion_p"]),
                               num(row["insertion_p_rollout"]), num(row.get("insertion_p_base"))])
         note = f" {r['note']}." if r.get("note") else ""
-        out += ["", f"`{r['machine']['id']}`, {r['date']}; {r['numbers']['setting']}. Command: `{r['command']}`"
+        out += ["", f"`{r['machine']['id']}`, {r['date']}; {r['numbers']['setting']}. Command: `{r['command']}`."
                 f"{note}", "",
                 *table(["model", "method", "deletion", "p", "p_rollout", "p_base", "insertion", "p", "p_rollout",
                         "p_base"], lines)]
@@ -301,10 +315,12 @@ def gpu_section(results: list[dict]) -> list[str]:
                 "(`configs/gpu_speedrun.yaml`) on one."]
     out = ["## GPU"]
     for r in records:
-        keys = list(dict.fromkeys(k for row in r["numbers"]["rows"] for k in row))
-        out += ["", f"{r['title']}: `{r['machine']['id']}` ({r['machine']['gpu']}), {r['date']}.", "",
-                f"Command: `{r['command']}`", "", *table(keys, [[num(row.get(k)) for k in keys]
-                                                                 for row in r["numbers"]["rows"]])]
+        steps = dict.fromkeys(row["step"] for row in r["numbers"]["rows"])
+        cells = [[f"`{step}`", "; ".join(f"{row['measure']} {num(row['value'])}" for row in r["numbers"]["rows"]
+                                         if row["step"] == step)] for step in steps]
+        out += ["", f"{r['title']}: `{r['machine']['id']}` ({r['machine']['gpu']}), {r['date']}. "
+                f"Command: `{r['command']}`", "", *table(["step", "measured"], cells)]
+        out += ["", r["note"]] if r.get("note") else []
     return out
 
 

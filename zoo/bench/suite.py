@@ -232,7 +232,14 @@ def bench_mfu(name: str, train_img_s: float, device=None, precision: str = "32")
     peak = gemm_peak_flops(device=device, dtype=dtype)
     achieved = 3 * fwd * train_img_s
     return {"model": name, "forward_flops_per_image": fwd, "train_img_s": train_img_s,
-            "achieved_gflops": achieved / 1e9, "gemm_peak_gflops": peak / 1e9, "mfu": achieved / peak}
+            "achieved_gflops": achieved / 1e9, "gemm_peak_gflops": peak / 1e9, "mfu": achieved / peak,
+            "gemm": gemm_setting(torch.device(device or default_device()), dtype)}
+
+
+def gemm_setting(device: torch.device, dtype: torch.dtype) -> str:
+    """What ``gemm_peak_flops`` times on ``device`` by default, in words."""
+    size, calls = (8192, "8 back-to-back ") if device.type == "cuda" else (2048, "")
+    return f"{calls}{size}² {str(dtype).removeprefix('torch.')} GEMMs"
 
 
 def bench_pipeline(data_dir: str | None, batch: int = 128, batches: int = 50, device=None,
