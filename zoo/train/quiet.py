@@ -33,6 +33,8 @@ WARNING_MESSAGES = (
     r"Checkpoint directory .* exists and is not empty",       # a resumed run writes into its own checkpoints/
     r"You are using a CUDA device .* that has Tensor Cores",  # the zoo sets float32_matmul_precision itself
     r"The `srun` command is available on your system",
+    # the test of best.ckpt: the checkpoint holds the EMA weights already, the test needs no averaging callback
+    r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided",
 )
 
 LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
