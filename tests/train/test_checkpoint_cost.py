@@ -53,6 +53,14 @@ def test_throughput_leaves_out_checkpoint_writes(tmp_path, monkeypatch):
     assert io.write_seconds == 20.0
     assert throughput.train_s == pytest.approx(5.0)
     assert throughput.images_per_s == pytest.approx(40 / 5.0)
+    assert throughput.later_images_per_s is None  # one epoch: nothing after the first
+    throughput.on_train_epoch_start(trainer, module)  # a second epoch: 2 steps of 0.5 s
+    for i in range(2):
+        clock.now += 0.5
+        throughput.on_train_batch_end(trainer, module, None, batch, i)
+    throughput.on_train_epoch_end(trainer, module)
+    assert throughput.later_images_per_s == pytest.approx(16 / 1.0)
+    assert throughput.images_per_s == pytest.approx(56 / 6.0)
 
 
 @pytest.mark.parametrize("minutes, last_writes", [(60.0, 1), (0.0, 1)])

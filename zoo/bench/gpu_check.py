@@ -165,7 +165,9 @@ def speedrun(out: Path, data_dir: str | None, dry_run: bool, timeout: float = 12
     jpeg = bool(data_dir) and any(Path(data_dir, "train").glob("*/*.jpg"))
     return {"run": str(run), "data": "JPEG image folder" if jpeg else "CIFAR-10 batches (original images)",
             "epochs": summary["epochs"], "wall_time_s": summary["wall_time_s"], "test_top1": summary["test_top1"],
-            "train_img_s": summary["train_images_per_s"], **time_to(run / "metrics.csv"),
+            "train_img_s": summary["train_images_per_s"],
+            "train_img_s_after_first_epoch": summary.get("train_images_per_s_after_first_epoch"),
+            **time_to(run / "metrics.csv"),
             **epoch_times(run / "metrics.csv")}
 
 

@@ -89,13 +89,21 @@ class TimeBudget(pl.Callback):
 
 class Throughput(pl.Callback):
     """Training images per second over the whole fit, validation and checkpoint writes excluded: ``writes`` is the
-    run's ``AtomicCheckpointIO``, whose write seconds while the clock ran are taken off."""
+    run's ``AtomicCheckpointIO``, whose write seconds while the clock ran are taken off. ``later_images_per_s``:
+    the same over the epochs after the first one this process trained (which pays for compilation and warm-up)."""
 
     def __init__(self, writes=None):
         self.images = 0
         self.train_s = 0.0
         self.writes = writes
         self._t = self._written = None
+        self._first = None  # (images, seconds) once the first epoch has ended
+
+    @property
+    def later_images_per_s(self) -> float | None:
+        if self._first is None or self.train_s <= self._first[1]:
+            return None
+        return (self.images - self._first[0]) / (self.train_s - self._first[1])
 
     def _start(self) -> None:
         self._t = time.perf_counter()
@@ -115,6 +123,8 @@ class Throughput(pl.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module):
         self._pause(pl_module.device)
+        if self._first is None:
+            self._first = (self.images, self.train_s)
 
     def _pause(self, device: torch.device):
         if self._t is not None:

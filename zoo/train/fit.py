@@ -267,11 +267,13 @@ def summarize(plan: RunPlan, trainer: pl.Trainer, callbacks: RunCallbacks, fit_s
     """summary.json: the model, hardware, training progress and speed, accuracies and the data's facts."""
     info, dm = model_info(trainer.lightning_module.model), trainer.datamodule
     best_score = callbacks.best.best_model_score
+    later = callbacks.throughput.later_images_per_s  # None after a single epoch
     return {
         "model": plan.recipe.model, "params": info["params"], "flops": info["flops"], "precision": plan.precision,
         "accelerator": plan.accelerator, "devices": trainer.num_devices * trainer.num_nodes,
         "epochs": trainer.current_epoch, "global_step": trainer.global_step, "wall_time_s": round(fit_s, 2),
         "train_images_per_s": round(callbacks.throughput.images_per_s, 1),
+        "train_images_per_s_after_first_epoch": round(later, 1) if later is not None else None,
         "best_val_top1": float(best_score) if best_score is not None else None, **tested,
         "label_smoothing": plan.recipe.label_smoothing,
         "num_classes": dm.num_classes, "class_names": list(dm.class_names), "img_size": dm.img_size,
