@@ -1,7 +1,6 @@
 """The README's figure: the shipped models (``hybrid_tiny``, ``vit_nano``) explaining the same few test images,
 one row per (model, method): each model's attention rollout and, where another method is more faithful for it
-(the newest faithfulness leaderboard of each model in BENCHMARKS.md: AttnLRP for ``vit_nano``; rollout itself
-for ``hybrid_tiny``), that method too. Each map is for the true class and scaled min->max on its own; a
+(the newest faithfulness leaderboard of each model in BENCHMARKS.md: AttnLRP for both), that method too. Each map is for the true class and scaled min->max on its own; a
 pixel-level map (AttnLRP) is averaged over the 8 x 8 patches the faithfulness test removes.
 
     python -m zoo.explain.readme_figure --data-dir DATA --out docs/figure.png
@@ -22,7 +21,7 @@ from .methods import attribute
 from .report import data_module_for
 
 # (shipped model, method) per row, in order; attnlrp is vit_nano's most faithful method, rollout hybrid_tiny's.
-ROWS = (("hybrid_tiny", "rollout"), ("vit_nano", "rollout"), ("vit_nano", "attnlrp"))
+ROWS = (("hybrid_tiny", "rollout"), ("hybrid_tiny", "attnlrp"), ("vit_nano", "rollout"), ("vit_nano", "attnlrp"))
 
 
 def readme_figure(data_dir: str | None, out: str | Path, *, num_images: int = 5, rows=ROWS, dpi: int = 80) -> Path:
