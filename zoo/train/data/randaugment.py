@@ -15,6 +15,8 @@ float32 arithmetic can differ from torchvision in the last bit."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -138,7 +140,7 @@ def sharpness(images: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
     if h <= 2 or w <= 2:
         return images
     kernel = torch.full((c, 1, 3, 3), 1.0 / 13.0, device=images.device)
-    kernel[:, :, 1, 1] = 5.0 / 13.0
+    kernel[:, :, 1, 1].fill_(5.0 / 13.0)  # fill_, not item assignment: that builds a tensor from the number
     out = images.float()
     blurred = F.conv2d(out, kernel, groups=c).round_()
     inner = out[..., 1:-1, 1:-1]
@@ -215,7 +217,7 @@ GEOMETRIC = {"ShearX": shear_x_theta, "ShearY": shear_y_theta, "TranslateX": tra
 BLENDS = ("Brightness", "Color", "Contrast")
 
 
-def sum_masks(masks) -> torch.Tensor:
+def _union(masks) -> torch.Tensor:
     """The union of boolean masks."""
     masks = list(masks)
     out = masks[0]
@@ -224,9 +226,12 @@ def sum_masks(masks) -> torch.Tensor:
     return out
 
 
-def op_magnitudes(magnitude: int, num_bins: int, height: int, width: int) -> list[float]:
-    """Each op's unsigned magnitude at bin ``magnitude``, as torchvision reads it (0.0 for the ops without one)."""
-    return [0.0 if bins is None else float(bins(num_bins, height, width)[magnitude]) for _, bins, _ in OPS.values()]
+@functools.cache
+def op_magnitudes(magnitude: int, num_bins: int, height: int, width: int) -> tuple[float, ...]:
+    """Each op's unsigned magnitude at bin ``magnitude``, as torchvision reads it (0.0 for the ops without one):
+    host numbers from CPU tensors, read once per image size."""
+    return tuple(0.0 if bins is None else float(bins(num_bins, height, width)[magnitude])
+                 for _, bins, _ in OPS.values())
 
 
 class RandAugment:
@@ -289,8 +294,8 @@ class RandAugment:
         results = {"geometric": affine(images, theta), "blend": _blend(images, other, 1.0 + magnitude)}
         results.update((name, OPS[name][0](images, magnitude))
                        for name in ("Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize"))
-        chosen = {"geometric": sum_masks(is_op[name] for name in GEOMETRIC),
-                  "blend": sum_masks(is_op[name] for name in BLENDS)}
+        chosen = {"geometric": _union(is_op[name] for name in GEOMETRIC),
+                  "blend": _union(is_op[name] for name in BLENDS)}
         out = images
         for key, result in results.items():
             out = torch.where(_per_image(chosen.get(key, is_op.get(key))), result, out)
