@@ -176,8 +176,10 @@ def test_bad_settings_name_the_fix(kwargs, message):
 
 
 def test_bad_images_name_the_fix():
-    with pytest.raises(ValueError, match=r"takes uint8 \(B, C, H, W\) images, got torch.float32"):
+    with pytest.raises(ValueError, match=r"takes uint8 \(B, 3, H, W\) images, got torch.float32"):
         RandAugment()(torch.zeros(2, 3, 8, 8))
+    with pytest.raises(ValueError, match=r"takes uint8 \(B, 3, H, W\) images, got torch.uint8 \(2, 1, 8, 8\)"):
+        RandAugment()(torch.zeros(2, 1, 8, 8, dtype=torch.uint8))
 
 
 def test_no_host_sync():

@@ -130,8 +130,8 @@ class AlternatingFlip:
 
 
 class BatchAugment:
-    """The training transform of a uint8 batch: crop, flip, RandAugment (uint8), normalise, cutout,
-    mixup/cutmix.
+    """The training transform of a uint8 batch: crop, flip, RandAugment per image (uint8), normalise, cutout,
+    mixup/cutmix; all on the batch's device, without host sync.
 
     Args:
         augment: settings overriding ``DEFAULT_AUGMENT`` (checked by ``augment_config``).

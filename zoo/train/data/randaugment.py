@@ -7,8 +7,9 @@ images' device with torch ops. It keeps torchvision's 14 ops and their magnitude
 for the geometric ops. Each round computes every op on the whole batch and keeps, per image, the one it drew
 (``torch.where``): no boolean-mask indexing, no ``.item()``, no tensor built from Python data per call.
 
-The op functions take uint8 (B, C, H, W) images and ``magnitude`` (B,): per image the value torchvision's
-RandAugment would pass for that op (signed, in its units: pixels, degrees, bits, a factor offset). They follow
+The op functions take uint8 (B, C, H, W) images (C = 3 for Color and Contrast) and ``magnitude`` (B,) float64
+(float32 on MPS): per image the value torchvision's RandAugment would pass for that op (signed, in its units:
+pixels, degrees, bits, a factor offset). They follow
 torchvision's kernels step by step: the same float32 ops, torchvision's inverse affine matrix and sampling
 grid, and its fused multiply-add in the blends reproduced in float64 (exact); on MPS, which has no float64, the
 float32 arithmetic can differ from torchvision in the last bit."""
@@ -93,9 +94,11 @@ def _geometric(theta_fn):
     return op
 
 
-shear_x, shear_y = _geometric(shear_x_theta), _geometric(shear_y_theta)
-translate_x, translate_y, rotate = _geometric(translate_x_theta), _geometric(translate_y_theta), \
-    _geometric(rotate_theta)
+shear_x = _geometric(shear_x_theta)
+shear_y = _geometric(shear_y_theta)
+translate_x = _geometric(translate_x_theta)
+translate_y = _geometric(translate_y_theta)
+rotate = _geometric(rotate_theta)
 
 
 # colour ops
@@ -235,7 +238,7 @@ def op_magnitudes(magnitude: int, num_bins: int, height: int, width: int) -> tup
 
 
 class RandAugment:
-    """Per-image RandAugment of uint8 (B, C, H, W) batches (C = 3 for Color and Contrast), on their device.
+    """Per-image RandAugment of uint8 (B, 3, H, W) batches, on their device.
 
     Args:
         num_ops: ops applied in turn to every image, each drawn per image uniformly from ``OPS``.
@@ -262,9 +265,9 @@ class RandAugment:
         return ops, torch.where(negate, -1.0, 1.0)
 
     def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """uint8 (B, C, H, W) -> uint8 (B, C, H, W): each image through its own ``num_ops`` drawn ops."""
-        if images.dtype != torch.uint8 or images.ndim != 4:
-            raise ValueError(f"RandAugment takes uint8 (B, C, H, W) images, got {images.dtype} "
+        """uint8 (B, 3, H, W) -> uint8 (B, 3, H, W): each image through its own ``num_ops`` drawn ops."""
+        if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"RandAugment takes uint8 (B, 3, H, W) images, got {images.dtype} "
                              f"{tuple(images.shape)}")
         ops, signs = self.draw(images.shape[0], images.device, generator)
         for op, sign in zip(ops, signs, strict=True):
@@ -281,7 +284,8 @@ class RandAugment:
         values = op_magnitudes(self.magnitude, self.num_magnitude_bins, h, w)
         names = list(OPS)
         is_op = {name: op == index for index, name in enumerate(names)}
-        magnitude = torch.zeros_like(sign, dtype=_wide(images.device))
+        sign = sign.to(_wide(images.device))
+        magnitude = torch.zeros_like(sign)
         for name, value in zip(names, values, strict=True):
             if value != 0.0:
                 magnitude = torch.where(is_op[name], value * sign if OPS[name][2] else value, magnitude)
