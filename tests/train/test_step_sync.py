@@ -182,10 +182,7 @@ RECIPES = {
     "mixup": ({"mixup_alpha": 0.8}, {}),
     "cutmix": ({"cutmix_alpha": 1.0}, {}),
     "mixup_cutmix_cutout": ({"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "cutout": 4}, {"ema": True}),
-    "randaugment": pytest.param(({"randaugment": {"num_ops": 2, "magnitude": 9}}, {}), marks=pytest.mark.xfail(
-        strict=True, reason="torchvision's RandAugment ops sync on a device: equalize indexes with a boolean mask "
-        "(nonzero), rotate / shear / translate and sharpness build their matrix or kernel with torch.tensor(..., "
-        "device=) (a blocking copy from pageable memory)")),
+    "randaugment": ({"randaugment": {"num_ops": 2, "magnitude": 9}}, {}),
 }
 
 

@@ -1,6 +1,7 @@
 """Batched training augmentation on the batch's own device: random crop with zero padding and horizontal flip
 (vectorised over the batch, no loop over images), optional RandAugment (Cubuk et al. 2019,
-https://arxiv.org/abs/1909.13719, one draw of ops per batch, on uint8), then mixup (Zhang et al. 2017,
+https://arxiv.org/abs/1909.13719, ``randaugment.RandAugment``: torchvision's ops drawn per image, on uint8, without
+host sync), then mixup (Zhang et al. 2017,
 https://arxiv.org/abs/1710.09412) and cutmix (Yun et al. 2019, https://arxiv.org/abs/1905.04899) on the
 normalised float batch (after cutout, DeVries & Taylor 2017, https://arxiv.org/abs/1708.04552: a zeroed
 square per image, as airbench96 uses for its longer runs), which turn the labels into (B, num_classes) float
@@ -15,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 from torchvision.transforms import v2
+
+from zoo.train.data.randaugment import RandAugment
 
 DEFAULT_AUGMENT = {
     "crop_padding": 4, "hflip": True, "alternating_flip": False, "randaugment": None, "mixup_alpha": 0.0,
@@ -68,8 +71,8 @@ def cutout(images: torch.Tensor, size: int, corners: torch.Tensor | None = None)
 
 
 def randaugment_args(spec: dict | bool | None) -> dict | None:
-    """RandAugment's keyword arguments for an ``augment["randaugment"]`` value (None / False: off, True: the
-    defaults, a dict: overrides of ``RANDAUGMENT_DEFAULTS``)."""
+    """``RandAugment``'s keyword arguments for an ``augment["randaugment"]`` value (None / False: off, True: the
+    defaults, a dict: overrides of ``RANDAUGMENT_DEFAULTS``); bad values -> ValueError."""
     if not spec:
         return None
     spec = {} if spec is True else spec
@@ -78,7 +81,9 @@ def randaugment_args(spec: dict | bool | None) -> dict | None:
     unknown = sorted(set(spec) - set(RANDAUGMENT_DEFAULTS))
     if unknown:
         raise ValueError(f"unknown randaugment keys {unknown}; expected some of {sorted(RANDAUGMENT_DEFAULTS)}")
-    return {**RANDAUGMENT_DEFAULTS, **spec}
+    args = {**RANDAUGMENT_DEFAULTS, **spec}
+    RandAugment(**args)  # checks the values
+    return args
 
 
 def augment_config(augment: dict | None) -> dict:
@@ -125,8 +130,8 @@ class AlternatingFlip:
 
 
 class BatchAugment:
-    """The training transform of a uint8 batch: crop, flip, RandAugment (uint8), normalise, cutout,
-    mixup/cutmix.
+    """The training transform of a uint8 batch: crop, flip, RandAugment per image (uint8), normalise, cutout,
+    mixup/cutmix; all on the batch's device, without host sync.
 
     Args:
         augment: settings overriding ``DEFAULT_AUGMENT`` (checked by ``augment_config``).
@@ -138,7 +143,7 @@ class BatchAugment:
         self.crop_padding = self.config["crop_padding"]
         self.hflip = self.config["hflip"] and not self.config["alternating_flip"]  # else the dataset flips
         args = randaugment_args(self.config["randaugment"])
-        self.randaugment = v2.RandAugment(**args) if args is not None else None
+        self.randaugment = RandAugment(**args) if args is not None else None
         self.mix = make_mix(self.config, num_classes)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor,

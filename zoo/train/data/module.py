@@ -352,7 +352,8 @@ class ImageDataModule(pl.LightningDataModule):
         return (images * std + mean).clamp(0, 1)
 
     def augment(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The training transform of a uint8 batch: crop, flip, RandAugment (uint8), normalise, mixup/cutmix.
+        """The training transform of a uint8 batch: crop, flip, RandAugment per image (uint8), normalise, cutout,
+        mixup/cutmix.
 
         Returns float32 (B, 3, H, W) and labels: int64 (B,), or (B, num_classes) float probabilities when
         mixup/cutmix is active."""
