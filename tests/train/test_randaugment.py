@@ -182,13 +182,14 @@ def test_bad_images_name_the_fix():
         RandAugment()(torch.zeros(2, 1, 8, 8, dtype=torch.uint8))
 
 
-def test_no_host_sync():
+def test_no_host_sync(monkeypatch):
     """Every aten op of a call, recorded: no read of a device value on the host (``.item()``, ``nonzero`` ...),
     no device-to-host copy, no boolean-mask indexing (its kernel calls nonzero), no tensor built from Python
     data (``torch.tensor(...)``: a blocking upload on a GPU). Stricter than the training-step recorder of
     test_step_sync.py, which excuses reads of values computed from host data alone (here every tensor is on
     the batch's device, the random draws included)."""
     images = images_batch(b=32)
+    monkeypatch.setattr(RandAugment, "grouped_on_cpu", False)  # the path every other device takes
     RandAugment(3, 9)(images)  # reads the magnitude table (CPU numbers, no device involved) once per image size
     with OpRecorder() as ops:
         RandAugment(3, 9)(images)
@@ -231,3 +232,17 @@ def test_on_cuda_no_sync_and_the_cpu_result():
         scale = {"TranslateX": 40.0, "TranslateY": 40.0, "Rotate": 100.0, "Posterize": 20.0}.get(name, 1.0)
         m = magnitudes.abs() * scale if name in ("Posterize", "Solarize") else magnitudes * scale
         assert_matches(name, fn(cuda, m.cuda()).cpu(), fn(images, m))
+
+
+@pytest.mark.parametrize("num_ops, magnitude", [(3, 9), (2, 30)])
+def test_the_cpu_path_equals_the_device_path(num_ops, magnitude):
+    """On a CPU each op runs on the images that drew it (``apply_grouped``); on a device every op runs on the whole
+    batch and ``where`` picks (``apply_everywhere``): the same images, to the bit, for the same draws."""
+    images = images_batch(b=96, seed=4)
+    augment = RandAugment(num_ops, magnitude)
+    ops, signs = augment.draw(len(images), images.device, torch.Generator().manual_seed(6))
+    grouped = everywhere = images
+    for op, sign in zip(ops, signs, strict=True):
+        grouped, everywhere = augment.apply_grouped(grouped, op, sign), augment.apply_everywhere(everywhere, op, sign)
+    assert len(set(ops.flatten().tolist())) == len(OPS)  # every op drawn somewhere
+    assert torch.equal(grouped, everywhere)

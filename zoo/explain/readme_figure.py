@@ -1,7 +1,8 @@
 """The README's figure: the shipped models (``hybrid_tiny``, ``vit_nano``) explaining the same few test images,
 one row per (model, method): each model's attention rollout and, where another method is more faithful for it
-(the newest faithfulness leaderboard of each model in BENCHMARKS.md: AttnLRP for both), that method too. Each map is for the true class and scaled min->max on its own; a
-pixel-level map (AttnLRP) is averaged over the 8 x 8 patches the faithfulness test removes.
+(the newest faithfulness leaderboard of each model in BENCHMARKS.md: AttnLRP for both), that method too. Each map
+is for the true class and scaled min->max on its own; a pixel-level map (AttnLRP) is averaged over the 8 x 8
+patches the faithfulness test removes.
 
     python -m zoo.explain.readme_figure --data-dir DATA --out docs/figure.png
 """
