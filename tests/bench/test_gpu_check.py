@@ -91,3 +91,15 @@ def test_a_step_subprocess_past_its_time_is_stopped_and_its_output_kept(tmp_path
     with pytest.raises(RuntimeError, match="time limit"):
         _run([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], log, timeout=3)
     assert log.read_text() == "started\n"
+
+
+def test_device_time_counts_kernels_not_the_annotations_that_span_them():
+    from types import SimpleNamespace
+
+    from zoo.bench.gpu_check import device_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(key="gemm", device_type=cuda, is_user_annotation=False),
+              SimpleNamespace(key="Optimizer.step#AdamW.step", device_type=cuda, is_user_annotation=True),
+              SimpleNamespace(key="aten::mm", device_type=cpu, is_user_annotation=False)]
+    assert [e.key for e in device_kernels(events)] == ["gemm"]

@@ -136,13 +136,21 @@ def step_profile(name: str, batch: int, steps: int) -> dict:
             step()
         if cuda:
             torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = device_kernels(prof.key_averages())
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # microseconds -> ms per step
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:5]
     return {"profile_batch": batch, "step_ms": 1e3 * wall, "device_busy_ms": busy,
             "device_busy_share": busy / (1e3 * wall), "kernel_launches_per_step": sum(e.count for e in kernels) / steps,
             "top_device_ops": [{"op": e.key[:80], "ms_per_step": e.self_device_time_total / 1e3 / steps}
                                for e in top]}
+
+
+def device_kernels(events) -> list:
+    """The profiler's averaged events that are GPU kernels and copies: on the device, and not a user annotation
+    (``Optimizer.step#AdamW.step`` spans its kernels on the GPU timeline too, so counting it would count them
+    twice; torch's own table leaves annotations out of its device total the same way)."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)]
 
 
 def time_to(metrics_csv: Path, targets=TARGETS) -> dict:
