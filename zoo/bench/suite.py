@@ -205,13 +205,18 @@ def bench_memory(n: int = 4097, backends=("math", "sdpa", "chunked", "linear"), 
     return [{"backend": b, "n": n, "inference_mb": mb[b, False], "backward_mb": mb[b, True]} for b in backends]
 
 
+def _gemm_shape(device: torch.device) -> tuple[int, int]:
+    """``gemm_peak_flops``' default matrix size and matmuls per timing on ``device``: 8 back-to-back 8192² on a GPU
+    (a single small matmul is launch-bound there and would understate the peak), one 2048² on the CPU."""
+    return (8192, 8) if device.type == "cuda" else (2048, 1)
+
+
 def gemm_peak_flops(size: int | None = None, repeats: int = 5, device=None, dtype=torch.float32) -> float:
-    """The matmul FLOP/s this device reaches: the best of ``repeats`` timings of 8 back-to-back square matmuls (one
-    sync each), 8192 on a GPU (a single small matmul is launch-bound there and would understate the peak), 2048 on
-    the CPU."""
+    """The matmul FLOP/s this device reaches: the best of ``repeats`` timings (one sync each) of ``_gemm_shape``'s
+    square matmuls (``size`` overrides its size)."""
     device = torch.device(device or default_device())
-    size = size or (8192 if device.type == "cuda" else 2048)
-    calls = 8 if device.type == "cuda" else 1
+    default_size, calls = _gemm_shape(device)
+    size = size or default_size
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     out = torch.empty(size, size, device=device, dtype=dtype)
 
@@ -238,8 +243,8 @@ def bench_mfu(name: str, train_img_s: float, device=None, precision: str = "32")
 
 def gemm_setting(device: torch.device, dtype: torch.dtype) -> str:
     """What ``gemm_peak_flops`` times on ``device`` by default, in words."""
-    size, calls = (8192, "8 back-to-back ") if device.type == "cuda" else (2048, "")
-    return f"{calls}{size}² {str(dtype).removeprefix('torch.')} GEMMs"
+    size, calls = _gemm_shape(device)
+    return f"{f'{calls} back-to-back ' if calls > 1 else ''}{size}² {str(dtype).removeprefix('torch.')} GEMMs"
 
 
 def bench_pipeline(data_dir: str | None, batch: int = 128, batches: int = 50, device=None,
