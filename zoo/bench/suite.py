@@ -362,36 +362,30 @@ def run_suite(out: str | Path, data_dir: str | None = None, quick: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     repeats = 1 if quick else 5
     results: dict = {"machine": machine()}
-    results["attention_op"] = bench_attention_op(ns=(33,) if quick else (65, 257, 1025),
-                                                 batch=2 if quick else 32, repeats=repeats, device=device,
-                                                 precision=precision)
-    _write(out, results)
-    results["models"] = [bench_models("vit_tiny", train_batch=2 if quick else 128,
-                                      infer_batch=2 if quick else 256, repeats=1 if quick else 3,
-                                      device=device, precision=precision)]
-    _write(out, results)
-    results["training_speed"] = bench_training_speed(["hybrid_tiny"] if quick else None,
-                                                     batch=2 if quick else 128, repeats=1 if quick else 3,
-                                                     device=device, precision=precision)
-    _write(out, results)
-    results["memory"] = bench_memory(n=2049 if quick else 4097, device=device)
-    _write(out, results)
-    results["mfu"] = [bench_mfu("vit_tiny", results["models"][0]["zoo_train_img_s"], device, precision)]
-    _write(out, results)
+
+    def add(section: str, value) -> None:  # each section on disk as soon as it is measured
+        results[section] = value
+        _write(out, results)
+
+    add("attention_op", bench_attention_op(ns=(33,) if quick else (65, 257, 1025), batch=2 if quick else 32,
+                                           repeats=repeats, device=device, precision=precision))
+    add("models", [bench_models("vit_tiny", train_batch=2 if quick else 128, infer_batch=2 if quick else 256,
+                                repeats=1 if quick else 3, device=device, precision=precision)])
+    add("training_speed", bench_training_speed(["hybrid_tiny"] if quick else None, batch=2 if quick else 128,
+                                               repeats=1 if quick else 3, device=device, precision=precision))
+    add("memory", bench_memory(n=2049 if quick else 4097, device=device))
+    add("mfu", [bench_mfu("vit_tiny", results["models"][0]["zoo_train_img_s"], device, precision)])
     subset = dict(max_train_images=2000, max_test_images=100, val_size=200) if quick else {}
-    results["pipeline"] = bench_pipeline(data_dir, batches=5 if quick else 50, device=device, **subset)
+    pipeline = bench_pipeline(data_dir, batches=5 if quick else 50, device=device, **subset)
     fastest = max(r["train_img_s"] for r in results["training_speed"])
-    results["pipeline"]["vs_fastest_model_training"] = results["pipeline"]["img_s"] / fastest
-    _write(out, results)
+    add("pipeline", {**pipeline, "vs_fastest_model_training": pipeline["img_s"] / fastest})
     tiny = 2 if quick else 8  # bf16 on a CPU: a tiny batch only, to record what it costs there
-    results["precision"] = [bench_precision(batch=128 if device.type == "cuda" else tiny, device=device,
-                                            repeats=1 if quick else 3)]
-    _write(out, results)
-    results["claims"] = bench_claims(results["memory"], results["precision"][0], n=257 if quick else 1025,
-                                     batch=2 if quick else 8, repeats=repeats, device=device)
-    results["claims"].append(bench_hybrid_vs_vit(batch=2 if quick else 128, repeats=1 if quick else 3,
-                                                 device=device, precision=precision))
-    _write(out, results)
+    add("precision", [bench_precision(batch=128 if device.type == "cuda" else tiny, device=device,
+                                      repeats=1 if quick else 3)])
+    claims = bench_claims(results["memory"], results["precision"][0], n=257 if quick else 1025,
+                          batch=2 if quick else 8, repeats=repeats, device=device)
+    add("claims", [*claims, bench_hybrid_vs_vit(batch=2 if quick else 128, repeats=1 if quick else 3,
+                                                device=device, precision=precision)])
     return results
 
 
