@@ -1,7 +1,7 @@
 """The prepared GPU check in its dry form, on whatever device there is: every step runs (the CUDA tests are
-collected and run, skipping without a GPU; a vit_tiny run and the speedrun recipe's run) but the benchmark suite,
-whose quick form tests/bench/test_bench_suite.py runs already; the report is written in both forms, and the
-time-to-accuracy reading agrees with a metrics.csv written by hand."""
+collected and run, skipping without a GPU; the vit_tiny runs, the one with ``--compile step`` eager on a CPU; the
+speedrun recipe's run) but the benchmark suite, whose quick form tests/bench/test_bench_suite.py runs already; the
+report is written in both forms, and the time-to-accuracy reading agrees with a metrics.csv written by hand."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
     assert done.returncode == 0 and not failed, (failed, done.stderr[-2000:])
     assert report["dry_run"] is True and report["skipped"] == ["suite"] and "suite" not in report
     assert report["cuda_tests"]["skipped" if not torch.cuda.is_available() else "passed"] >= 20
-    for step in ("vit_tiny", "speedrun"):
+    for step in ("vit_tiny", "vit_tiny_step", "speedrun"):
         summary = json.loads((Path(report[step]["run"]) / "summary.json").read_text())
         assert summary["test_top1"] == report[step]["test_top1"]
     assert report["speedrun"]["data"] == "JPEG image folder" or (cifar_dir / "cifar-10-batches-py").is_dir()
@@ -78,7 +78,7 @@ def test_steps_not_begun_within_the_time_limit_are_reported_and_the_report_is_wr
     report = gpu_check.run_check(tmp_path, skip=("suite",), time_limit=0.2)
     assert report["environment"] == {"ok": True, "torch": "x", "seconds": report["environment"]["seconds"]}
     assert not seen  # cuda_tests never ran
-    for step in ("cuda_tests", "vit_tiny", "speedrun"):
+    for step in ("cuda_tests", "vit_tiny", "vit_tiny_step", "speedrun"):
         assert not report[step]["ok"] and "time limit" in report[step]["error"]
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == report
     assert "## speedrun" in (tmp_path / "gpu_check.md").read_text()

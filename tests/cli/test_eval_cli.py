@@ -124,27 +124,27 @@ def test_faithfulness_leaderboard(tiny_run, tmp_path, capsys):
     assert methods == ["raw_attention", "rollout", "grad_rollout", "chefer2021", "attnlrp", "gradcam", "random",
                        "centre", "edges"]
     out = tmp_path / "faithfulness"
-    rows = _faithfulness(tiny_run, out, "--faithfulness-images", "20", "--sanity")
+    rows = _faithfulness(tiny_run, out, "--faithfulness-images", "8", "--sanity")
     assert "Best method: **" in capsys.readouterr().out
     assert {(r["method"], r["removal"], r["metric"]) for r in rows} == {
         (m, "zero", metric) for m in methods for metric in ("deletion", "insertion")} and len(rows) == 18
     for row in rows:
-        assert row["model"] == "vit_nano" and row["num_images"] == "20"
+        assert row["model"] == "vit_nano" and row["num_images"] == "8"
         assert float(row["ci_low"]) <= float(row["auc"]) <= float(row["ci_high"])
         assert (row["p_vs_random"] == "nan") == (row["method"] == "random")
         assert (row["p_vs_rollout"] == "nan") == (row["method"] in ("rollout", "random"))
         assert (row["p_vs_baselines"] == "nan") == (row["method"] in ("random", "centre", "edges"))
     md = (out / "faithfulness.md").read_text()
-    assert "## vit_nano (20 test images)" in md and md.count("(best)") == 2 and "Sanity check (Adebayo" in md
+    assert "## vit_nano (8 test images)" in md and md.count("(best)") == 2 and "Sanity check (Adebayo" in md
     assert "| method | head | norm | blocks.5 |" in md
     for name in ("faithfulness_curves_vit_nano.png", "faithfulness_maps_vit_nano.png"):
         assert (out / name).stat().st_size > 10_000
-    full = _faithfulness(tiny_run, tmp_path / "full", "--faithfulness-images", "10", "--full-grid",
+    full = _faithfulness(tiny_run, tmp_path / "full", "--faithfulness-images", "4", "--full-grid",
                          "--absolute-scale", "--methods", "rollout,attnlrp")
     assert {(r["method"], r["removal"], r["metric"]) for r in full} == {
         (m, removal, metric) for m in ("rollout", "attnlrp", "random", "centre", "edges")
         for removal in ("zero", "blur", "mean", "road") for metric in ("deletion", "insertion")} and len(full) == 40
-    assert {r["num_images"] for r in full} == {"10"}
+    assert {r["num_images"] for r in full} == {"4"}
 
 
 def test_faithfulness_refuses_a_method_that_does_not_apply(tiny_run, tmp_path, capsys):

@@ -266,3 +266,52 @@ def test_lightning_fits_with_muon_and_its_checkpoint_restores_both_halves(tmp_pa
     for p, q in zip(module.model.parameters(), resumed.model.parameters(), strict=True):
         for key, value in optimizer.state[p].items():
             torch.testing.assert_close(again.state[q][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mixup", [False, True])
+def test_a_compiled_training_step_trains_as_the_eager_one(tmp_path, mixup):
+    """``compile: step`` (forward, loss and backward compiled as one graph) takes Lightning's steps to the eager
+    run's weights: three AdamW steps from the same start, integer targets or mixup's probabilities."""
+    from torch._dynamo.utils import counters
+
+    class Soft(Batches):
+        def _loader(self):
+            soft = torch.softmax(torch.randn(len(self.labels), 10, generator=torch.Generator().manual_seed(1)), -1)
+            return DataLoader(TensorDataset(self.images, soft), batch_size=self.batch_size)
+
+        train_dataloader = _loader
+
+    runs = {}
+    for compile in (False, "step"):
+        torch.manual_seed(0)
+        module = tiny_module(compile=compile, label_smoothing=0.1)
+        frames = counters["stats"]["unique_graphs"]
+        trainer(tmp_path / str(compile), max_steps=3, limit_val_batches=0, enable_checkpointing=False).fit(
+            module, datamodule=(Soft if mixup else Batches)(n=24))
+        if compile:
+            assert counters["stats"]["unique_graphs"] > frames  # dynamo compiled a graph: not silently eager
+        runs[compile] = [p.detach() for p in module.model.parameters()]
+    for eager, compiled in zip(runs[False], runs["step"], strict=True):  # atol: a tenth of one AdamW step at lr
+        # 1e-3 (Adam's normalisation turns float rounding in a near-zero gradient into a visible part of a step)
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_the_cuda_graph_wrapper_of_the_compiled_step_runs_on_the_cpu():
+    """The CUDA form of ``compiled_train_loss`` (reduce-overhead mode, a step mark, copied outputs) on CPU tensors,
+    where torch skips the graphs: the loss, logits and gradients of train_loss itself."""
+    from zoo.train.module import compiled_train_loss, train_loss
+
+    torch.manual_seed(0)
+    model = zoo.create_model("vit_nano", num_classes=10, **TINY)
+    images, targets = torch.randn(6, 3, 16, 16), torch.tensor([0, 1, 2, 3, 4, 5])
+    results = []
+    for fn in (train_loss, compiled_train_loss("cuda")):
+        model.zero_grad(set_to_none=True)
+        loss, logits = fn(model, images, targets, 0.1, torch.contiguous_format)
+        loss.backward()
+        results.append((loss, logits, [p.grad for p in model.parameters()]))
+    (loss, logits, grads), (loss2, logits2, grads2) = results
+    assert not logits2.requires_grad
+    torch.testing.assert_close(loss2, loss)
+    torch.testing.assert_close(logits2, logits.detach())
+    torch.testing.assert_close(grads2, grads, rtol=1e-4, atol=1e-6)

@@ -89,7 +89,8 @@ def test_config_file_chooses_the_model_and_unknown_models_suggest():
                                           ({"limit_train_batches": "a few"}, "batch limit"),
                                           ({"devices": [1]}, "devices must be auto"),
                                           ({"channels_last": "yes"}, "channels_last must be auto, true or false"),
-                                          ({"compile": "maybe"}, "compile must be regions, true or false, got 'maybe'"),
+                                          ({"compile": "maybe"},
+                                           "compile must be regions, step, true or false, got 'maybe'"),
                                           ({"seed": 1.5}, "seed must be a non-negative integer, got 1.5")])
 def test_bad_values_raise(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -6,7 +6,8 @@ one report (``gpu_check.json`` + ``gpu_check.md``):
    bf16 / fp16 against fp32, flex's backward, CBAM / hybrid under autocast, training steps under
    ``torch.cuda.set_sync_debug_mode("error")``);
 3. ``vit_tiny``: a short ``train.py --model vit_tiny`` run: images/s, peak GPU memory, MFU against a large bf16
-   matmul on the same GPU;
+   matmul on the same GPU, and where a step's time goes; ``vit_tiny_step`` the same with ``--compile step`` (the
+   forward, loss and backward compiled, replayed as CUDA graphs);
 4. ``speedrun``: ``hybrid_tiny`` with ``configs/gpu_speedrun.yaml`` (airbench-sized batch, bf16, compiled, batched
    Muon, TTA): wall seconds to 90% and 94% validation top-1 (94% needs the original CIFAR-10 images; a JPEG copy
    tops out near 91% even for airbench94), and the test top-1;
@@ -99,37 +100,47 @@ def _data_args(data_dir: str | None, dry_run: bool) -> list[str]:
     return args
 
 
-def vit_tiny(out: Path, data_dir: str | None, dry_run: bool, timeout: float = 900) -> dict:
-    """A short vit_tiny run of its own recipe: throughput, peak GPU memory and MFU against a large bf16 matmul."""
+def vit_tiny(out: Path, data_dir: str | None, dry_run: bool, timeout: float = 900, compile_step: bool = False) -> dict:
+    """A short vit_tiny run of its own recipe: throughput, peak GPU memory and MFU against a large bf16 matmul;
+    ``compile_step``: with ``--compile step`` (forward, loss and backward compiled; CUDA graphs), eager in a dry run
+    on a CPU, where compiling vit_tiny would take a minute."""
     from ..models import create_model, model_info
     from .suite import gemm_peak_flops
 
+    name = "vit_tiny_step" if compile_step else "vit_tiny"
     budget = [] if dry_run else ["--max-time", "00:00:01:30"]
-    run = train_run(out, "vit_tiny", ["--model", "vit_tiny", *budget, *_data_args(data_dir, dry_run)], timeout)
+    compiled = ["--compile", "step"] if compile_step and (torch.cuda.is_available() or not dry_run) else []
+    run = train_run(out, name, ["--model", "vit_tiny", *budget, *compiled, *_data_args(data_dir, dry_run)], timeout)
     summary = json.loads((run / "summary.json").read_text())
     flops = model_info(create_model("vit_tiny"))["flops"]
     result = {"run": str(run), "precision": summary["precision"], "train_img_s": summary["train_images_per_s"],
+              "train_img_s_after_first_epoch": summary.get("train_images_per_s_after_first_epoch"),
               "peak_memory_gb": summary.get("peak_memory_gb"), "test_top1": summary["test_top1"]}
     if not dry_run and torch.cuda.is_available():
         peak = gemm_peak_flops(device="cuda", dtype=torch.bfloat16)
         result.update(matmul_peak_tflops=peak / 1e12,
                       mfu=3 * flops * summary["train_images_per_s"] / peak)
-    return {**result, **step_profile("vit_tiny", batch=8 if dry_run else 256, steps=2 if dry_run else 20)}
+    profile = step_profile("vit_tiny", batch=8 if dry_run else 256, steps=2 if dry_run else 20,
+                           compile_step=bool(compiled))
+    return {**result, **profile}
 
 
-def step_profile(name: str, batch: int, steps: int) -> dict:
-    """Where a training step's time goes (forward, loss, backward, AdamW on random images; bf16 autocast on CUDA):
+def step_profile(name: str, batch: int, steps: int, compile_step: bool = False) -> dict:
+    """Where a training step's time goes (forward, loss, backward, AdamW on random images; bf16 autocast on CUDA;
+    ``compile_step``: the forward and loss of ``compile: step``):
     the wall milliseconds of a step against the milliseconds the device spends in kernels (torch.profiler) and
     the kernel launches per step. A device-busy share well under 1 means the host (Python, launches) sets the pace;
     ``top_device_ops`` names the five ops with the most device time. Without a GPU the device figures are 0."""
     from torch.profiler import ProfilerActivity, profile
 
     from ..models import create_model
+    from ..train.module import compiled_train_loss
     from .timing import median_seconds, training_step
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    step = training_step(create_model(name).to(device), batch=batch, precision="bf16-mixed" if cuda else "32")
+    step = training_step(create_model(name).to(device), batch=batch, precision="bf16-mixed" if cuda else "32",
+                         loss=compiled_train_loss(device.type) if compile_step else None)
     wall = median_seconds(step, device, warmup=3, repeats=steps)  # without the profiler's own overhead
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
@@ -212,7 +223,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-STEPS = ("environment", "cuda_tests", "vit_tiny", "speedrun", "suite")  # the order they run in: the goals first
+STEPS = ("environment", "cuda_tests", "vit_tiny", "vit_tiny_step", "speedrun", "suite")  # the goals first
 
 
 def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = False, skip=(),
@@ -232,6 +243,7 @@ def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = Fals
     steps = {"environment": environment,
              "cuda_tests": lambda: cuda_tests(out, left()),
              "vit_tiny": lambda: vit_tiny(out, data_dir, dry_run, left()),
+             "vit_tiny_step": lambda: vit_tiny(out, data_dir, dry_run, left(), compile_step=True),
              "speedrun": lambda: speedrun(out, data_dir, dry_run, left()),
              "suite": lambda: {"results": str(out / "suite" / "bench.json"),
                                **_suite_summary(run_suite(out / "suite", data_dir, quick=dry_run))}}

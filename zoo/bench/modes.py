@@ -1,7 +1,7 @@
 """Training throughput of each model under each way to run it on this machine: fp32, fp32 channels_last,
 bf16 autocast with channels_last ("bf16-mixed"), the model cast to bf16 ("bf16-true"), and torch.compile'd
-fp32 (by default; compiled channels_last fp32 and bf16-mixed, and the regionally compiled ones of
-``zoo.models.compile_regions``, on request), with the compile time paid once, measured apart. Candidates of one
+fp32 (by default; compiled channels_last fp32 and bf16-mixed, the regionally compiled ones of
+``zoo.models.compile_regions`` and the compiled step of ``compile: step``, on request), with the compile time paid once, measured apart. Candidates of one
 model are interleaved repeat by repeat (``interleaved_medians``), so their ratios are side by side; each step is a
 forward, cross-entropy, backward and AdamW step at ``batch``, on random images. ``optimizer_costs`` measures what
 each optimizer's step adds to a training step (its share of the step), in fp32 and bf16-mixed, with Muon's
@@ -25,6 +25,7 @@ from torch import nn
 
 from ..models import compile_regions, create_model
 from ..train.device import cpu_has_native_bf16, machine_name, resolve_muon_dtype
+from ..train.module import compiled_train_loss
 from ..train.optim import OPTIMIZERS, build_optimizer, param_groups
 from ..train.probes import optimizer_step_seconds
 from . import results
@@ -33,7 +34,7 @@ from .timing import interleaved_medians, measure_inference, print_result, traini
 
 MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled",
          "fp32_compiled_channels_last", "bf16_mixed_compiled_channels_last", "fp32_regions_channels_last",
-         "bf16_mixed_regions_channels_last")
+         "bf16_mixed_regions_channels_last", "fp32_step_channels_last", "bf16_mixed_step_channels_last")
 DEFAULT_MODES = MODES[:5]
 
 
@@ -59,10 +60,11 @@ def mode_steps(name: str, batch: int, modes=DEFAULT_MODES) -> tuple[dict[str, Ca
             model = torch.compile(model)
         if "regions" in mode:
             compile_regions(model)
+        loss = compiled_train_loss("cpu") if "_step" in mode else None  # recipe's compile: step
         steps[mode] = training_step(model, shape, batch, num_classes=base.num_classes, dtype=dtype,
-                                    memory_format=memory_format,
+                                    memory_format=memory_format, loss=loss,
                                     precision="bf16-mixed" if mode.startswith("bf16_mixed") else "32")
-        if "compiled" in mode or "regions" in mode:
+        if "compiled" in mode or "regions" in mode or loss:
             start = time.perf_counter()
             steps[mode]()
             compile_s[mode] = time.perf_counter() - start

@@ -12,7 +12,11 @@ TEN_MINUTES = "00:00:10:00"
 MODE_COLUMNS = (("fp32", "fp32"), ("fp32_channels_last", "fp32 channels_last"), ("fp32_compiled", "fp32 compiled"),
                 ("fp32_compiled_compile_s", "compile s"), ("fp32_regions_channels_last", "fp32 regions"),
                 ("bf16_mixed_channels_last", "bf16-mixed channels_last"),
-                ("bf16_mixed_regions_channels_last", "bf16-mixed regions"), ("bf16_true", "bf16-true"),
+                ("bf16_mixed_compiled_channels_last", "bf16-mixed compiled"),
+                ("bf16_mixed_compiled_channels_last_compile_s", "compile s"),
+                ("bf16_mixed_regions_channels_last", "bf16-mixed regions"),
+                ("bf16_mixed_step_channels_last", "bf16-mixed step"),
+                ("bf16_mixed_step_channels_last_compile_s", "compile s"), ("bf16_true", "bf16-true"),
                 ("inference_fp32", "inference fp32"), ("inference_bf16_mixed", "inference bf16-mixed"))
 SPARSE_COLUMNS = ("dense", "math", "masked_sdpa", "banded", "flex", "auto", "projections")
 
@@ -132,7 +136,8 @@ def _accuracy_rows(groups: dict[tuple, list[dict]], notes: Notes, with_budget: b
 
 
 def accuracy_section(results: list[dict]) -> list[str]:
-    groups = _train_groups(results)
+    current = [r for r in records_of(results, "train") if not r["numbers"].get("superseded_recipe")]  # today's recipes
+    groups = _train_groups(current)
     short = {k: v for k, v in groups.items() if k[1] == TEN_MINUTES}
     long = {k: v for k, v in groups.items() if k[1] != TEN_MINUTES}
     head = ["model", "machine", "setting", "precision", "seeds", "steps (mean)", "train img/s (mean)",
@@ -147,6 +152,10 @@ def accuracy_section(results: list[dict]) -> list[str]:
            "reports (mirror + translate test-time augmentation); without TTA is `eval.py --checkpoint` on the "
            "same weights. Several seeds: each, then mean ± sample sd.", "", "### 10 minutes", ""]
     out += table(head, _accuracy_rows(short, notes, False)) + notes.lines()
+    earlier = len(records_of(results, "train")) - len(current)
+    if earlier:
+        out += ["", f"{earlier} earlier runs of recipes that have changed since stay in `results/` "
+                "(`superseded_recipe`), out of these tables."]
     notes = Notes()
     out += ["", "### Longer budgets", ""]
     out += table(head[:1] + ["budget"] + head[1:], _accuracy_rows(long, notes, True)) + notes.lines()
@@ -185,8 +194,9 @@ def modes_section(results: list[dict]) -> list[str]:
     return _rows_section(
         "Throughput per way of running",
         "Training images/s at batch 128 (forward, cross-entropy, backward, AdamW on random images) and inference "
-        "images/s at batch 256; medians of interleaved repeats. *regions*: each CBAM and transformer block "
-        "compiled in place (`compile: regions`).", records, [("model", "model"), *MODE_COLUMNS])
+        "images/s at batch 256; medians of interleaved repeats. *compiled*: the whole model (`compile: true`); "
+        "*regions*: each CBAM and transformer block compiled in place (`compile: regions`); *step*: the forward, "
+        "loss and backward compiled as one graph (`compile: step`); *compile s*: the first step's seconds.", records, [("model", "model"), *MODE_COLUMNS])
 
 
 def optimizer_section(results: list[dict]) -> list[str]:

@@ -55,9 +55,11 @@ def inference_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: in
 
 def training_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int = 128, *,
                   num_classes: int = 10, precision: str = "32", dtype: torch.dtype = torch.float32,
-                  memory_format: torch.memory_format = torch.contiguous_format) -> Callable[[], None]:
+                  memory_format: torch.memory_format = torch.contiguous_format,
+                  loss: Callable | None = None) -> Callable[[], None]:
     """A closure running one training step (forward, cross-entropy, backward, AdamW step) of ``model`` itself
-    on ``batch`` random images of ``dtype`` in ``memory_format``; pass a copy to keep the original weights."""
+    on ``batch`` random images of ``dtype`` in ``memory_format``; pass a copy to keep the original weights.
+    ``loss``: a ``zoo.train.module.train_loss``-like function to compute the forward and loss with instead."""
     device = _device(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, *input_shape, device=device).to(dtype).contiguous(memory_format=memory_format)
@@ -66,8 +68,8 @@ def training_step(model: nn.Module, input_shape: Shape = (3, 32, 32), batch: int
     def step():
         optimizer.zero_grad(set_to_none=True)
         with autocast_for(device, precision):
-            loss = F.cross_entropy(model(x).float(), y)
-        loss.backward()
+            value = loss(model, x, y, 0.0, memory_format)[0] if loss else F.cross_entropy(model(x).float(), y)
+        value.backward()
         optimizer.step()
 
     return step

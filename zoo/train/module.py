@@ -6,6 +6,8 @@ weight decay on norms, biases, position embeddings and the class token, label sm
 
 from __future__ import annotations
 
+import functools
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,29 @@ class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN / inf loss; the message names the first bad optimizer step."""
 
 
+def train_loss(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, label_smoothing: float,
+               memory_format: torch.memory_format) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, logits)`` of a training batch: label-smoothed cross-entropy in float32 (targets as in
+    ``ImageClassifier``)."""
+    logits = model(images.contiguous(memory_format=memory_format))
+    return F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing), logits
+
+
+@functools.cache
+def compiled_train_loss(device_type: str):
+    """``train_loss`` compiled once per device type; on CUDA with CUDA graphs (torch's "reduce-overhead"), whose
+    outputs the next replay overwrites, so they are returned as copies."""
+    if device_type != "cuda":
+        return torch.compile(train_loss)
+    graphed = torch.compile(train_loss, mode="reduce-overhead")
+
+    def step(*args):
+        torch.compiler.cudagraph_mark_step_begin()  # one training step per call: earlier outputs may be reused
+        loss, logits = graphed(*args)
+        return loss.clone(), logits.detach().clone()
+    return step
+
+
 class ImageClassifier(pl.LightningModule):
     """A zoo model trained for classification. Batches are ``(images (B, 3, H, W) float, targets)`` with
     targets int64 ``(B,)`` or class probabilities ``(B, num_classes)`` (mixup / cutmix).
@@ -43,7 +68,9 @@ class ImageClassifier(pl.LightningModule):
             the device computes it natively (``zoo.train.device.resolve_muon_dtype``), else float32.
         schedule: "cosine" or "linear" decay after the warm-up.
         compile: True compiles the whole model (``Module.compile``), "regions" each CBAM and transformer block
-            (``zoo.models.compile_regions``: seconds to compile, the convolutions stay eager).
+            (``zoo.models.compile_regions``: seconds to compile, the convolutions stay eager), "step" the
+            training step's forward and loss as one graph whose backward inductor compiles too (``train_loss``;
+            CUDA graphs on CUDA, so a step is a few graph launches), evaluation eager.
         tta: test-time augmentation level of validation and test (``zoo.train.tta``: 0 none, 1 mirror,
             2 mirror + 1-pixel translations).
         nan_check_every: steps between host-side checks of the non-finite-loss flag (every checkpoint
@@ -64,7 +91,7 @@ class ImageClassifier(pl.LightningModule):
             self.model.to(memory_format=torch.channels_last)
         if compile == "regions":
             compile_regions(self.model)
-        elif compile:
+        elif compile and compile != "step":
             self.model.compile()
         top5 = min(5, num_classes)
         self.metrics = torch.nn.ModuleDict({
@@ -92,8 +119,12 @@ class ImageClassifier(pl.LightningModule):
 
     def _shared_step(self, batch, stage: str) -> torch.Tensor:
         images, targets = batch
-        logits = self(images) if stage == "train" else tta_logits(self, images, self.hparams.tta)
-        loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.hparams.label_smoothing)
+        if stage == "train" and self.hparams.compile == "step":
+            loss, logits = compiled_train_loss(images.device.type)(self.model, images, targets,
+                                                                  self.hparams.label_smoothing, self.memory_format)
+        else:
+            logits = self(images) if stage == "train" else tta_logits(self, images, self.hparams.tta)
+            loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.hparams.label_smoothing)
         labels = targets.argmax(dim=1) if targets.ndim == 2 else targets
         metrics = self.metrics[f"{stage}_acc"]
         metrics.update(logits.detach(), labels)

@@ -132,7 +132,8 @@ class Recipe(_Checked):
     strategy: str = setting("auto", "Lightning strategy: auto, ddp, ...", TEXT)
     num_nodes: int = setting(1, "machines in a multi-node run", POSITIVE)
     compile: bool | str = setting(False, "torch.compile the whole model (true), each CBAM and transformer block "
-                                  "(regions), or not (false)", c.flag_check("regions"))
+                                  "(regions), the training step's forward, loss and backward (step: CUDA graphs "
+                                  "on CUDA), or not (false)", c.flag_check("regions", "step"))
     channels_last: str | bool = setting("auto", "channels-last memory (auto: resnet*, hybrid*)", c.flag_check("auto"))
     max_time: str | None = setting(None, "wall-clock budget DD:HH:MM:SS, above zero; the LR schedule is fitted to "
                                    "it", c.optional_check(c.max_time_check))
