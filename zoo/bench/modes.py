@@ -1,11 +1,12 @@
 """Training throughput of each model under each way to run it on this machine: fp32, fp32 channels_last,
 bf16 autocast with channels_last ("bf16-mixed"), the model cast to bf16 ("bf16-true"), and torch.compile'd
 fp32 (by default; compiled channels_last fp32 and bf16-mixed, the regionally compiled ones of
-``zoo.models.compile_regions`` and the compiled step of ``compile: step``, on request), with the compile time paid once, measured apart. Candidates of one
-model are interleaved repeat by repeat (``interleaved_medians``), so their ratios are side by side; each step is a
-forward, cross-entropy, backward and AdamW step at ``batch``, on random images. ``optimizer_costs`` measures what
-each optimizer's step adds to a training step (its share of the step), in fp32 and bf16-mixed, with Muon's
-iteration in the dtype a run would choose here (``ZOO_NATIVE_BF16=0`` plays a CPU without native bf16).
+``zoo.models.compile_regions`` and the compiled step of ``compile: step``, on request), with the compile time paid
+once, measured apart. Candidates of one model are interleaved repeat by repeat (``interleaved_medians``), so their
+ratios are side by side; each step is a forward, cross-entropy, backward and AdamW step at ``batch``, on random
+images. ``optimizer_costs`` measures what each optimizer's step adds to a training step (its share of the step), in
+fp32 and bf16-mixed, with Muon's iteration in the dtype a run would choose here (``ZOO_NATIVE_BF16=0`` plays a CPU
+without native bf16).
 
     python -m zoo.bench.modes --models hybrid_tiny vit_tiny --out modes.json
     python -m zoo.bench.modes --models resnet18_cbam --modes fp32_channels_last bf16_mixed_channels_last

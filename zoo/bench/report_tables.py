@@ -196,7 +196,8 @@ def modes_section(results: list[dict]) -> list[str]:
         "Training images/s at batch 128 (forward, cross-entropy, backward, AdamW on random images) and inference "
         "images/s at batch 256; medians of interleaved repeats. *compiled*: the whole model (`compile: true`); "
         "*regions*: each CBAM and transformer block compiled in place (`compile: regions`); *step*: the forward, "
-        "loss and backward compiled as one graph (`compile: step`); *compile s*: the first step's seconds.", records, [("model", "model"), *MODE_COLUMNS])
+        "loss and backward compiled as one graph (`compile: step`); *compile s*: the first step's seconds.", records,
+        [("model", "model"), *MODE_COLUMNS])
 
 
 def optimizer_section(results: list[dict]) -> list[str]:

@@ -69,8 +69,8 @@ class ImageClassifier(pl.LightningModule):
         schedule: "cosine" or "linear" decay after the warm-up.
         compile: True compiles the whole model (``Module.compile``), "regions" each CBAM and transformer block
             (``zoo.models.compile_regions``: seconds to compile, the convolutions stay eager), "step" the
-            training step's forward and loss as one graph whose backward inductor compiles too (``train_loss``;
-            CUDA graphs on CUDA, so a step is a few graph launches), evaluation eager.
+            training step's forward and loss as one graph whose backward inductor compiles too
+            (``compiled_train_loss``: replayed as CUDA graphs on CUDA), evaluation eager.
         tta: test-time augmentation level of validation and test (``zoo.train.tta``: 0 none, 1 mirror,
             2 mirror + 1-pixel translations).
         nan_check_every: steps between host-side checks of the non-finite-loss flag (every checkpoint
