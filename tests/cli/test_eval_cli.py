@@ -9,8 +9,6 @@ import importlib.util
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -102,9 +100,6 @@ def test_bad_inputs_exit_2_with_one_line(tiny_run, tmp_path, capsys):
         assert eval_cli.main([*args, "--out", str(tmp_path / "out")]) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("eval.py: error: "), err
-    done = subprocess.run([sys.executable, "eval.py", "--checkpoint", str(foreign), "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
 
 
 def _faithfulness(tiny_run, out, *flags) -> list[dict]:

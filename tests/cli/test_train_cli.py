@@ -1,12 +1,11 @@
 """train.py on a small slice of the real CIFAR-10 JPEGs: a smoke run per registered model, bf16 on CPU,
-seeded reproducibility, and user errors (one stderr line, exit code 2). Most runs call train.main in-process
-(importing Lightning once); the error cases that matter for the shell run as subprocesses."""
+seeded reproducibility, and user errors (one stderr line, exit code 2). The runs call train.main in-process
+(importing Lightning once); tests/cli/test_bad_inputs.py runs the programs from the shell."""
 
 from __future__ import annotations
 
 import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -138,7 +137,7 @@ def test_user_errors_in_process(extra, message, slice_args, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["unknown_model", "missing_data", "wrong_layout"])
-def test_user_errors_from_the_shell(case, tmp_path):
+def test_user_errors_with_the_data(case, tmp_path, capsys):
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "a.jpg").write_bytes(b"")
     args, message = {
@@ -146,11 +145,11 @@ def test_user_errors_from_the_shell(case, tmp_path):
         "missing_data": (["--model", "vit_nano", "--data-dir", str(tmp_path / "none")], "none"),
         "wrong_layout": (["--model", "vit_nano", "--data-dir", str(tmp_path / "flat")], "train"),
     }[case]
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    code, out, err = run_main([*args, "--out", str(tmp_path / "runs")], capsys)
+    assert code == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err[-2000:]
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow
