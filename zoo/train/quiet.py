@@ -35,6 +35,9 @@ WARNING_MESSAGES = (
     r"The `srun` command is available on your system",
     # the test of best.ckpt: the checkpoint holds the EMA weights already, the test needs no averaging callback
     r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided",
+    # under DDP: the epoch's training loss and the clock are rank 0's on purpose (reducing the loss would cost a
+    # collective and a host sync at every step, as it is also logged per step)
+    r"It is recommended to use `self.log\('(train/loss|time/elapsed_s)', \.\.\., sync_dist=True\)`",
 )
 
 LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
