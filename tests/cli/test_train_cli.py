@@ -153,10 +153,11 @@ def test_user_errors_with_the_data(case, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_compile_flag_trains(slice_args, tmp_path, capsys):
-    """--compile wraps the model in torch.compile (inductor takes ~30 s to compile on this CPU: slow)."""
-    args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--compile", "--out", str(tmp_path),
-            *slice_args]
+@pytest.mark.parametrize("flag", [["--compile"], ["--compile", "step"]])
+def test_compile_flag_trains(flag, slice_args, tmp_path, capsys):
+    """--compile wraps the model in torch.compile, --compile step the training step (inductor takes ~30 s to
+    compile on this CPU: slow)."""
+    args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), *flag, "--out", str(tmp_path), *slice_args]
     code, out, err = run_main(args, capsys)
     assert code == 0, err[-2000:]
     summary = json.loads((REPO / out.strip().splitlines()[-1] / "summary.json").read_text())
