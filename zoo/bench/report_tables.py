@@ -177,15 +177,30 @@ def shipped_section(results: list[dict]) -> list[str]:
 
 def _rows_section(title: str, intro: str, records: list[dict], columns: list[tuple[str, str]],
                   cell: Callable = num) -> list[str]:
+    """A table per record under a line naming its machine, date and command. Consecutive records of one machine and
+    date with the same columns and note share one table (their lines one under the other); a note shared by
+    consecutive tables is printed once, after the last of them."""
+    def present(r: dict) -> list[tuple[str, str]]:
+        return [(k, h) for k, h in columns if any(k in row for row in r["numbers"]["rows"])]
+
+    def key(r: dict) -> tuple:
+        return r["machine"]["id"], r["date"], present(r), r.get("note")
+
+    groups: list[list[dict]] = []
+    for r in records:
+        if groups and key(groups[-1][-1]) == key(r):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
     out = [f"## {title}", "", intro]
-    for i, r in enumerate(records):
-        rows = r["numbers"]["rows"]
-        present = [(k, h) for k, h in columns if any(k in row for row in rows)]
-        out += ["", f"{r['title']}: `{r['machine']['id']}`, {r['date']}. Command: `{r['command']}`", "",
-                *table([h for _, h in present], [[cell(row.get(k)) if k != "model" else f"`{row[k]}`"
-                                                  for k, _ in present] for row in rows])]
-        if r.get("note") and (i + 1 == len(records) or records[i + 1].get("note") != r["note"]):
-            out += ["", r["note"]]  # a note shared by consecutive records once, after the last of them
+    for i, group in enumerate(groups):
+        cols, note = present(group[0]), group[0].get("note")
+        headings = [f"{r['title']}: `{r['machine']['id']}`, {r['date']}. Command: `{r['command']}`" for r in group]
+        out += ["", "  \n".join(headings), "",
+                *table([h for _, h in cols], [[cell(row.get(k)) if k != "model" else f"`{row[k]}`" for k, _ in cols]
+                                              for r in group for row in r["numbers"]["rows"]])]
+        if note and (i + 1 == len(groups) or groups[i + 1][0].get("note") != note):
+            out += ["", note]
     return out
 
 
@@ -265,7 +280,12 @@ def sparse_section(results: list[dict]) -> list[str]:
         out += ["", f"{r['title']}: `{r['machine']['id']}`, {r['date']}; {n['setting']}. "
                 f"Command: `{r['command']}`", "",
                 *table(["N", *present], [[num(row["n"]), *(cell(row.get(c)) for c in present)] for row in n["rows"]]),
-                "", *table(["claim", "measured"], [[c["claim"], c["measured"]] for c in n["claims"]])]
+                ""]
+        if len(n["claims"]) == 1:  # one claim reads as a sentence
+            out.append(f"{n['claims'][0]['claim'][:1].upper()}{n['claims'][0]['claim'][1:]}: "
+                       f"{n['claims'][0]['measured']}.")
+        else:
+            out += table(["claim", "measured"], [[c["claim"], c["measured"]] for c in n["claims"]])
         if r.get("note"):
             out += ["", r["note"]]
     return out
@@ -292,7 +312,7 @@ def faithfulness_section(results: list[dict]) -> list[str]:
            "95% CI; p: one-sided paired sign-flip test against random, p_rollout: against rollout (0.0001 is the "
            "floor); p_base: against the best of the baselines random, centre (a Gaussian blob) and edges (Sobel), "
            "where measured. Bold: the best method of a model per curve."]
-    records = records_of(results, "faithfulness")
+    records, boards = records_of(results, "faithfulness"), []
     for r in records:
         # a model's board measured again later in the same setting (its images, removal, patches) replaces this one
         later = {row["model"] for newer in records if newer["date"] > r["date"]
@@ -311,8 +331,15 @@ def faithfulness_section(results: list[dict]) -> list[str]:
                               _auc(row, "insertion", best_ins), num(row["insertion_p"]),
                               num(row["insertion_p_rollout"]), num(row.get("insertion_p_base"))])
         note = f" {r['note']}." if r.get("note") else ""
-        out += ["", f"`{r['machine']['id']}`, {r['date']}; {r['numbers']['setting']}. Command: `{r['command']}`."
-                f"{note}", "",
+        heading = f"`{r['machine']['id']}`, {r['date']}; {r['numbers']['setting']}. Command: `{r['command']}`.{note}"
+        key = (r["machine"]["id"], r["date"], _board(r["numbers"]["setting"]))
+        if boards and boards[-1][0] == key:  # the same measurement of another model: one table
+            boards[-1][1].append(heading)
+            boards[-1][2].extend(lines)
+        else:
+            boards.append((key, [heading], lines))
+    for _, headings, lines in boards:
+        out += ["", "  \n".join(headings), "",
                 *table(["model", "method", "deletion", "p", "p_rollout", "p_base", "insertion", "p", "p_rollout",
                         "p_base"], lines)]
     return out
