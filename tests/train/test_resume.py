@@ -59,9 +59,10 @@ def test_sigkill_then_resume_auto_continues_the_same_run(base_args, tmp_path):
     assert min(steps) < killed_at
 
 
-def test_ddp_two_cpu_processes_leave_one_run(base_args, tmp_path):
+@pytest.mark.parametrize("compile", [[], pytest.param(["--compile", "step"], marks=pytest.mark.slow)])
+def test_ddp_two_cpu_processes_leave_one_run(base_args, tmp_path, compile):
     cmd = [*base_args, "--epochs", "1", "--limit-train-batches", "2", "--accelerator", "cpu",
-           "--devices", "2", "--strategy", "ddp"]
+           "--devices", "2", "--strategy", "ddp", *compile]  # compile step: each rank compiles its training step
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "ZOO_RUN_DIR")}
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
