@@ -143,19 +143,17 @@ def accuracy_section(results: list[dict]) -> list[str]:
     head = ["model", "machine", "setting", "precision", "seeds", "steps (mean)", "train img/s (mean)",
             "test top-1 with TTA", "without TTA", "notes"]
     notes = Notes()
+    earlier = len(records_of(results, "train")) - len(current)
     out = ["## Accuracy under a CPU budget", "",
            "Test top-1 on the 10,000 CIFAR-10 test images after a fixed wall-clock budget of training (validation "
-           "included, the final test after it); the learning-rate schedule is fitted to the budget. Each row is",
-           "", "```bash", "python train.py --model MODEL --config configs/cpu_budget.yaml --data-dir DATA "
-           "--max-time BUDGET [--seed S] SETTING", "```", "",
-           "with the row's setting, unless a note gives another command. With TTA is what the run's summary.json "
-           "reports (mirror + translate test-time augmentation); without TTA is `eval.py --checkpoint` on the "
-           "same weights. Several seeds: each, then mean ± sample sd.", "", "### 10 minutes", ""]
+           "included, the final test after it); the learning-rate schedule is fitted to the budget. Each row is "
+           "`python train.py --model MODEL --config configs/cpu_budget.yaml --data-dir DATA --max-time BUDGET "
+           "[--seed S] SETTING` with the row's setting, unless a note gives another command. With TTA is what the "
+           "run's summary.json reports (mirror + translate test-time augmentation); without TTA is `eval.py "
+           "--checkpoint` on the same weights. Several seeds: each, then mean ± sample sd."
+           + (f" {earlier} earlier runs of recipes that have changed since stay in `results/` (`superseded_recipe`), "
+              "out of these tables." if earlier else ""), "", "### 10 minutes", ""]
     out += table(head, _accuracy_rows(short, notes, False)) + notes.lines()
-    earlier = len(records_of(results, "train")) - len(current)
-    if earlier:
-        out += ["", f"{earlier} earlier runs of recipes that have changed since stay in `results/` "
-                "(`superseded_recipe`), out of these tables."]
     notes = Notes()
     out += ["", "### Longer budgets", ""]
     out += table(head[:1] + ["budget"] + head[1:], _accuracy_rows(long, notes, True)) + notes.lines()
