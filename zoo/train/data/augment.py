@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torchvision.transforms import v2
 
-from zoo.train.data.randaugment import RandAugment
+from .randaugment import RandAugment
 
 DEFAULT_AUGMENT = {
     "crop_padding": 4, "hflip": True, "alternating_flip": False, "randaugment": None, "mixup_alpha": 0.0,

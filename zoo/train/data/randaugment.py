@@ -224,15 +224,6 @@ GEOMETRIC = {"ShearX": shear_x_theta, "ShearY": shear_y_theta, "TranslateX": tra
 BLENDS = ("Brightness", "Color", "Contrast")
 
 
-def _union(masks) -> torch.Tensor:
-    """The union of boolean masks."""
-    masks = list(masks)
-    out = masks[0]
-    for mask in masks[1:]:
-        out = out | mask
-    return out
-
-
 @functools.cache
 def op_magnitudes(magnitude: int, num_bins: int, height: int, width: int) -> tuple[float, ...]:
     """Each op's unsigned magnitude at bin ``magnitude``, as torchvision reads it (0.0 for the ops without one):
@@ -325,8 +316,8 @@ class RandAugment:
         results = {"geometric": affine(images, theta), "blend": _blend(images, other, 1.0 + magnitude)}
         results.update((name, OPS[name][0](images, magnitude))
                        for name in ("Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize"))
-        chosen = {"geometric": _union(is_op[name] for name in GEOMETRIC),
-                  "blend": _union(is_op[name] for name in BLENDS)}
+        chosen = {"geometric": functools.reduce(torch.logical_or, (is_op[name] for name in GEOMETRIC)),
+                  "blend": functools.reduce(torch.logical_or, (is_op[name] for name in BLENDS))}
         out = images
         for key, result in results.items():
             out = torch.where(_per_image(chosen.get(key, is_op.get(key))), result, out)
