@@ -3,6 +3,7 @@ dicts, already validated) into markdown lines; ``zoo.bench.report`` puts them to
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Callable, Iterable
 
@@ -184,12 +185,7 @@ def _rows_section(title: str, intro: str, records: list[dict], columns: list[tup
     def key(r: dict) -> tuple:
         return r["machine"]["id"], r["date"], present(r), r.get("note")
 
-    groups: list[list[dict]] = []
-    for r in records:
-        if groups and key(groups[-1][-1]) == key(r):
-            groups[-1].append(r)
-        else:
-            groups.append([r])
+    groups = [list(group) for _, group in itertools.groupby(records, key)]
     out = [f"## {title}", "", intro]
     for i, group in enumerate(groups):
         cols, note = present(group[0]), group[0].get("note")
