@@ -6,6 +6,7 @@ report is written in both forms, and the time-to-accuracy reading agrees with a 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.bench.gpu_check import epoch_times, time_to
+from zoo.bench.gpu_check import CUDA_TEST_FILES, epoch_times, time_to
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +51,13 @@ def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
     text = (out / "gpu_check.md").read_text()
     assert "## speedrun" in text and "## cuda_tests" in text
     assert done.stdout.strip().splitlines()[-1] == str(out / "gpu_check.md")
+
+
+def test_the_check_runs_every_cuda_marked_test():
+    """The check collects only ``CUDA_TEST_FILES``: a CUDA test marked in any other file would never run there."""
+    marked = {str(path.relative_to(REPO)) for path in (REPO / "tests").rglob("*.py")
+              if re.search(r"pytest\.mark\.cuda\b", path.read_text())}
+    assert "tests/gpu/test_cuda.py" in marked and marked <= set(CUDA_TEST_FILES), marked - set(CUDA_TEST_FILES)
 
 
 def test_without_a_gpu_the_real_check_refuses_in_one_line(tmp_path):
