@@ -139,3 +139,20 @@ def test_the_readme_main_command_on_a_cpu_names_its_time_and_the_cpu_sized_comma
     assert any(re.match(r"cpu \(.*\), precision .*: 200 epochs x \d+ steps = [\d,]+ steps; about \d+ h", line)
                for line in lines), lines
     assert lines[-1].endswith(f"--data-dir {cifar_dir} --config configs/cpu_budget.yaml --max-time 00:00:10:00")
+
+
+def test_the_zoos_warnings_are_one_line_and_the_libraries_keep_pythons_form(monkeypatch):
+    import inspect
+    import warnings
+
+    import torch.nn.functional
+
+    from zoo.train.data import cache
+    from zoo.train.quiet import zoo_warnings_in_one_line
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # put back after the test
+    zoo_warnings_in_one_line("eval.py")
+    ours, theirs = inspect.getfile(cache), inspect.getfile(torch.nn.functional)
+    assert warnings.formatwarning("rebuilt", UserWarning, ours, 111, "code") == "eval.py: warning: rebuilt\n"
+    # Python's form: file:line: Category: message, then the source line indented
+    assert warnings.formatwarning("old", FutureWarning, theirs, 7, "x") == f"{theirs}:7: FutureWarning: old\n  x\n"

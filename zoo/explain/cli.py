@@ -82,7 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from zoo.train.quiet import zoo_warnings_in_one_line
+
     line_buffered_output()
+    zoo_warnings_in_one_line("eval.py")
     args = parse_or_exit_code(parse_args, argv)
     if isinstance(args, int):
         return args

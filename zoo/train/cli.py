@@ -100,7 +100,10 @@ def _error(err: Exception, code: int = 2) -> int:
 
 
 def main(argv=None) -> int:
+    from zoo.train.quiet import zoo_warnings_in_one_line
+
     line_buffered_output()
+    zoo_warnings_in_one_line("train.py")
     args = parse_or_exit_code(lambda argv: build_parser().parse_args(argv), argv)
     if isinstance(args, int):
         return args

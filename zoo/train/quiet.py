@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
+
+ZOO_DIR = Path(__file__).resolve().parents[1]  # the zoo package: its own warnings are notices to the user
+_PYTHON_FORM = warnings.formatwarning  # Python's form, kept for every other warning
 
 # Lightning's info lines (rank_zero_info) that repeat what the zoo's own lines say, or advertise
 INFO_PREFIXES = (
@@ -62,3 +66,17 @@ def quiet_libraries() -> None:
                 target.addFilter(_FILTER)
     for message in WARNING_MESSAGES:
         warnings.filterwarnings("ignore", message=message)
+
+
+def zoo_warnings_in_one_line(prog: str) -> None:
+    """The zoo's own warnings (a rebuilt data cache, a skipped image, a measured choice redone) print as one line,
+    ``prog: warning: message``, instead of Python's ``file:line: UserWarning:`` form followed by a line of the
+    zoo's source; any other warning keeps Python's form, which says where it came from."""
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if ZOO_DIR in Path(filename).resolve().parents:
+            return f"{prog}: warning: {message}\n"
+        return _PYTHON_FORM(message, category, filename, lineno, line)
+
+    warnings.formatwarning = format_warning
+
