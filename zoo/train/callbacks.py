@@ -2,7 +2,9 @@
 budget (``--max-time``); ``Throughput`` measures training images per second, validation excluded;
 ``ValidationClock`` logs the fit's wall time beside each validation's scores (time to an accuracy);
 ``EMAWeightAveraging`` keeps an exponential moving average of the weights and ``LossProgressBar`` shows the
-training loss, neither of them reading a device value on the host between progress-bar refreshes."""
+training loss, neither of them reading a device value on the host between progress-bar refreshes;
+``TimedCheckpoint`` and ``StepTimer`` are Lightning's time-interval checkpoint and time limit, deciding every few
+steps under several processes (``decides_now``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from itertools import chain
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar, WeightAveraging
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer, TQDMProgressBar, WeightAveraging
 
 from .device import synchronize
 from .forecast import RunForecast, StepClock, format_duration, guess_val_time, steps_in_budget
@@ -201,3 +203,41 @@ class LossProgressBar(TQDMProgressBar):
         if left is not None:  # the whole run's time left; the bar's own ETA is the epoch's
             metrics["run left"] = format_duration(left)
         return metrics
+
+
+def decides_now(trainer: pl.Trainer, every: int) -> bool:
+    """Whether this step makes the decisions all ranks share (rank 0's clock or a signal, broadcast or reduced):
+    every step in one process, where they need no collective; every ``every``-th optimizer step under several,
+    a step all ranks reach together."""
+    return trainer.world_size == 1 or trainer.global_step % every == 0
+
+
+class TimedCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint(train_time_interval=...)``, whose time check (rank 0's clock, broadcast to every
+    rank at each step) runs on ``decides_now`` steps only."""
+
+    def __init__(self, *args, decide_every: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decide_every = decide_every
+
+    def on_train_batch_end(self, trainer, *args, **kwargs):
+        if decides_now(trainer, self.decide_every):
+            super().on_train_batch_end(trainer, *args, **kwargs)
+
+
+class StepTimer(Timer):
+    """Lightning's ``Timer`` as ``Trainer(max_time=...)`` adds it, whose check (rank 0's clock, broadcast to every
+    rank at each step) runs on ``decides_now`` steps only; its checkpoint state keeps ``Timer``'s key, so a run
+    written before resumes its elapsed time."""
+
+    def __init__(self, duration, decide_every: int = 1):
+        super().__init__(duration=duration, interval="step")
+        self.decide_every = decide_every
+
+    @property
+    def state_key(self) -> str:
+        return Timer.__qualname__
+
+    def on_train_batch_end(self, trainer, *args, **kwargs):
+        if decides_now(trainer, self.decide_every):
+            super().on_train_batch_end(trainer, *args, **kwargs)

@@ -23,10 +23,25 @@ from lightning.pytorch.callbacks import (
 
 from ..atomic import atomic_write_json
 from ..models import create_model, model_info
-from .callbacks import EMAWeightAveraging, LossProgressBar, Throughput, TimeBudget, ValidationClock
+from .callbacks import (
+    EMAWeightAveraging,
+    LossProgressBar,
+    StepTimer,
+    Throughput,
+    TimeBudget,
+    TimedCheckpoint,
+    ValidationClock,
+)
 from .checks import parse_max_time
 from .data import ImageDataModule
-from .device import compile_for, machine_name, resolve_accelerator, resolve_muon_dtype, resolve_precision
+from .device import (
+    compile_for,
+    host_sync_every,
+    machine_name,
+    resolve_accelerator,
+    resolve_muon_dtype,
+    resolve_precision,
+)
 from .distributed import (
     external_environment,
     is_global_zero,
@@ -222,9 +237,12 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
     # and every few minutes of training, not after every validation: on a GPU an epoch takes seconds, and writing
     # the weights and optimizer state that often would cost more than training
     callbacks = [best, steps]
+    # the decisions all ranks share (time checks, a signal) wait for every few steps on a GPU: each is a host sync
+    every = host_sync_every(plan.accelerator)
     if recipe.ckpt_every_minutes > 0:
         interval = timedelta(minutes=recipe.ckpt_every_minutes)
-        callbacks.append(ModelCheckpoint(ckpt_dir, "last", train_time_interval=interval, enable_version_counter=False))
+        callbacks.append(TimedCheckpoint(ckpt_dir, "last", train_time_interval=interval, enable_version_counter=False,
+                                         decide_every=every))
     throughput = Throughput(writes)
     budget_s = plan.budget_s - spent_s if plan.budget_s is not None else None
     callbacks += [throughput, LossProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
@@ -233,20 +251,21 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
     if recipe.ema_decay:
         callbacks.append(EMAWeightAveraging(recipe.ema_decay))
     # a signal saves last.ckpt at the step it arrives; checkpoints hold the random states (exact resume)
-    callbacks += [RandomStates(), PreemptionCheckpoint(ckpt_dir / "last.ckpt")]
-    if budget_s is not None:  # the schedule fitted to the budget; Lightning's Timer (Trainer max_time) stops the fit
-        callbacks.append(TimeBudget(budget_s))
+    callbacks += [RandomStates(), PreemptionCheckpoint(ckpt_dir / "last.ckpt", decide_every=every)]
+    if budget_s is not None:  # the schedule fitted to the budget; the timer stops the fit (as Trainer(max_time))
+        callbacks += [TimeBudget(budget_s), StepTimer(recipe.max_time, decide_every=every)]
     return RunCallbacks(best, throughput, callbacks, writes)
 
 
 def build_trainer(plan: RunPlan, callbacks: RunCallbacks) -> pl.Trainer:
     """The Lightning Trainer: metrics.csv kept across resumes (and the recipe's other loggers), atomic checkpoint
     writes, no sanity check."""
-    recipe = plan.recipe  # devices, strategy, num_nodes, max_time, limit_*_batches by their recipe keys
+    recipe = plan.recipe  # devices, strategy, num_nodes, limit_*_batches by their recipe keys (max_time: StepTimer)
     return pl.Trainer(**recipe.kwargs_for(
         pl.Trainer, accelerator=plan.accelerator, precision=plan.precision, max_epochs=recipe.epochs,
         logger=build_loggers(recipe.loggers, plan.run_dir, plan.resume_from), callbacks=callbacks.all,
-        plugins=[callbacks.checkpoint_io], log_every_n_steps=min(50, recipe.ckpt_every_n_steps), num_sanity_val_steps=0,
+        max_time=None, plugins=[callbacks.checkpoint_io], log_every_n_steps=min(50, recipe.ckpt_every_n_steps),
+        num_sanity_val_steps=0,
         enable_model_summary=False))  # RunForecast says the size (Lightning's table counts FLOPs as 0)
 
 

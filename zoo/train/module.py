@@ -16,7 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..layers.whitening import PatchWhitening
 from ..models import compile_regions, create_model
-from .device import accelerator_of, resolve_muon_dtype
+from .device import accelerator_of, host_sync_every, resolve_muon_dtype
 from .optim import WarmupCosine, WarmupDecay, build_optimizer, param_groups
 from .tta import tta_logits
 
@@ -143,7 +143,7 @@ class ImageClassifier(pl.LightningModule):
         # the step number filled in on the device (a kernel argument), not copied from host memory
         self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, self.global_step),
                                           self.first_bad_step)
-        every = self.hparams.nan_check_every or (1 if loss.device.type == "cpu" else 50)
+        every = self.hparams.nan_check_every or host_sync_every(loss.device.type)
         if self.global_step % every == 0:
             self.check_finite()
         return loss

@@ -26,6 +26,8 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from .callbacks import decides_now
+
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None),
                             getattr(signal, "SIGUSR1", None)) if s is not None)
 
@@ -49,11 +51,12 @@ class PreemptionCheckpoint(Checkpoint):
     SIGINT arrives during training, then raises ``Preempted``. Its handlers replace Lightning's for the fit's
     training (Lightning's SIGTERM handler would stop without a checkpoint, in the middle of a validation) and
     the previous handlers come back when the fit ends. Under several processes a rank that was signalled stops
-    every rank at the same step (one all-reduce of a flag per step). A ``Checkpoint``, so Lightning runs it after
-    the other callbacks: the saved step includes their updates (the EMA of the weights)."""
+    every rank at the same step: one all-reduce of a flag every ``decide_every`` steps (a host sync on a GPU) and
+    at each epoch's end. A ``Checkpoint``, so Lightning runs it after the other callbacks: the saved step includes
+    their updates (the EMA of the weights)."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
+    def __init__(self, path: Path, decide_every: int = 1):
+        self.path, self.decide_every = Path(path), decide_every
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._trainer: pl.Trainer | None = None
@@ -83,7 +86,7 @@ class PreemptionCheckpoint(Checkpoint):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # on an epoch's last step the epoch's validation runs first: a checkpoint taken between them would resume
         # into a skipped validation
-        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and decides_now(trainer, self.decide_every):
             self._maybe_stop(trainer)
 
     def on_train_epoch_end(self, trainer, pl_module):
@@ -107,9 +110,9 @@ class PreemptionCheckpoint(Checkpoint):
 
 
 class RandomStates(pl.Callback):
-    """The global random generators in every checkpoint, set again when a run resumes from one: torch's CPU and
-    CUDA generators (augmentation and dropout draw from them), Python's and NumPy's. Stored as tensors and plain
-    Python values, which ``torch.load(weights_only=True)`` reads."""
+    """The global random generators in every checkpoint, set again when a run resumes from one: torch's CPU
+    generator and the current GPU's (augmentation and dropout draw from them), Python's and NumPy's. Stored as
+    tensors and plain Python values, which ``torch.load(weights_only=True)`` reads."""
 
     def state_dict(self) -> dict:
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -117,7 +120,9 @@ class RandomStates(pl.Callback):
                  "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                            "has_gauss": int(has_gauss), "gauss": float(gauss)}}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+            # this process's own GPU: only rank 0 writes the checkpoint, and in its process the other GPUs'
+            # generators are seeded but never drawn from; every rank draws as rank 0 does (one seed, one shard size)
+            state["cuda"] = torch.cuda.get_rng_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -127,7 +132,8 @@ class RandomStates(pl.Callback):
         n = state["numpy"]
         np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+            cuda = state["cuda"]  # a list, one state per GPU, in checkpoints written before: the first was used
+            torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, (list, tuple)) else cuda)
 
 
 class EpochOrder:
