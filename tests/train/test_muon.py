@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import zoo
+from zoo.bench.dispatch import OpRecorder
 from zoo.train.optim import FilterMuon, MuonAdamW, build_optimizer, muon_split, param_groups
 
 
@@ -181,3 +182,62 @@ def test_schedule_and_closure_reach_both_halves():
     moved = [not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)]
     assert all(moved)
 
+
+
+class ScalerUnaware(MuonAdamW):
+    """MuonAdamW as torch's optimizers without scaler support: the scaler unscales, reads its inf flag and skips."""
+
+    _step_supports_amp_scaling = False
+
+
+def _fused(model, kind: type[MuonAdamW] = MuonAdamW):
+    head = {id(p) for p in model.get_classifier().parameters()}
+    muon, adamw = muon_split(param_groups(model, 2e-3, 0.05), head)
+    return kind(muon, adamw, 2e-3, momentum=0.95, fused=True)
+
+
+def _scaled_step(model, optimizer, scaler, seed, poison: bool = False):
+    """One 16-mixed step as Lightning takes it with an optimizer that unscales in its step: scaled backward,
+    ``scaler.step`` (no ``unscale_`` first), ``scaler.update``; recorded op by op. ``poison``: one Muon
+    gradient holds an inf, as an fp16 overflow leaves it."""
+    optimizer.zero_grad()
+    scaler.scale(_loss(model, seed)).backward()
+    if poison:
+        optimizer.muon.param_groups[0]["params"][0].grad[0, 0] = float("inf")
+    with OpRecorder() as ops:
+        scaler.step(optimizer)
+        scaler.update()
+    return ops
+
+
+def test_a_grad_scaler_steps_on_the_device_as_it_steps_by_itself():
+    """With fused AdamW (on a GPU) a GradScaler hands MuonAdamW its scale and inf flag: the steps equal the
+    scaler's own unscale, check and step of the same scaled gradients (each skipping the step with an inf), and
+    neither step nor update reads the flag on the host (the scaler's own path reads it with ``.item()``)."""
+    model, reference = _model(), _model()
+    optimizer, plain = _fused(model), _fused(reference, ScalerUnaware)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+    assert optimizer._step_supports_amp_scaling and not plain._step_supports_amp_scaling
+    for seed in range(4):
+        ops = _scaled_step(model, optimizer, scalers[0], seed, poison=seed == 2)
+        assert [c.name for c in ops.syncs] == []
+        assert [c.name for c in _scaled_step(reference, plain, scalers[1], seed, poison=seed == 2).syncs]
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**10  # grew, backed off, grew
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_a_grad_scaler_step_on_an_overflow_leaves_weights_and_state_as_they_were():
+    model = _model()
+    optimizer = _fused(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    _scaled_step(model, optimizer, scaler, 0)
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    ops = _scaled_step(model, optimizer, scaler, 1, poison=True)
+    assert [c.name for c in ops.syncs] == [] and scaler.get_scale() == 2.0**9  # backed off, read after the step
+    for name, tensor in model.named_parameters():  # (the step's forward moved BatchNorm's running statistics)
+        torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0, msg=name)
+    for key, saved in state["state"].items():
+        for field, value in saved.items():
+            torch.testing.assert_close(optimizer.state_dict()["state"][key][field], value, rtol=0, atol=0,
+                                       msg=f"{key}.{field}")

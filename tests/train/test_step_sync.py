@@ -30,9 +30,11 @@ import weakref
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 from torch.utils._pytree import tree_flatten
 
 from zoo.bench.dispatch import SYNC_OPS, OpCall, OpRecorder
+from zoo.train import module
 from zoo.train.callbacks import EMAWeightAveraging
 from zoo.train.data import ImageDataModule
 from zoo.train.data.randaugment import RandAugment
@@ -80,6 +82,9 @@ class StepSyncs(OpRecorder):
         from_host = made_from_data or all(self._is_host(t) for t in inputs)  # factory ops (no input) too
         if from_host:
             self.host.update((id(t), weakref.ref(t)) for t in outputs)
+        else:  # a host tensor written in place by device data holds device data (GradScaler's inf flag)
+            for t in _written(func, args, kwargs):
+                self.host.pop(id(t), None)
         if made_from_data or (from_host and any(self._is_data(t) for t in inputs)):
             self.data.update((id(t), weakref.ref(t)) for t in outputs)
         elif not from_host:  # device data meets host data: on a GPU that host tensor was copied to the device
@@ -96,6 +101,14 @@ class StepSyncs(OpRecorder):
             self.device_syncs.append(call)
             self.sync_sites.append(_caller())
         return out
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes in place or into (its schema's mutable arguments)."""
+    schema = func._schema.arguments
+    named = dict(zip((a.name for a in schema), args, strict=False)) | kwargs  # positional, then keyword
+    written = [named.get(a.name) for a in schema if a.alias_info is not None and a.alias_info.is_write]
+    return [t for t in tree_flatten(written)[0] if isinstance(t, torch.Tensor)]
 
 
 def _caller() -> str:
@@ -179,6 +192,8 @@ RECIPES = {
     "plain": ({}, {}),
     "ema": ({}, {"ema": True}),
     "sgd_label_smoothing": ({}, {"optimizer": "sgd", "label_smoothing": 0.1}),
+    "muon": ({}, {"optimizer": "muon"}),
+    "muon_16_mixed": ({}, {"optimizer": "muon", "fp16": True}),
     "alternating_flip": ({"alternating_flip": True}, {}),
     "mixup": ({"mixup_alpha": 0.8}, {}),
     "cutmix": ({"cutmix_alpha": 1.0}, {}),
@@ -198,8 +213,10 @@ def measured_windows(image_tree, tmp_path, augment: dict, options: dict, nan_che
                              label_smoothing=options.get("label_smoothing", 0.0), nan_check_every=nan_check_every)
     windows = MeasureWindows()
     callbacks = [windows] + ([EMAWeightAveraging(0.9)] if options.get("ema") else [])
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=WARMUP + MEASURED + 1, limit_val_batches=0,
-                         logger=CountingLogger(tmp_path), log_every_n_steps=LOG_EVERY,
+    # fp16 autocast with a GradScaler, as on a GPU (Lightning's precision="16-mixed" falls back to bf16 on a CPU)
+    plugins = [MixedPrecision("16-mixed", "cpu")] if options.get("fp16") else []
+    trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=plugins, max_steps=WARMUP + MEASURED + 1,
+                         limit_val_batches=0, logger=CountingLogger(tmp_path), log_every_n_steps=LOG_EVERY,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=dm)
@@ -214,6 +231,7 @@ def measured_windows(image_tree, tmp_path, augment: dict, options: dict, nan_che
 def test_training_steps_between_logging_steps_make_no_host_sync(recipe, image_tree, tmp_path, monkeypatch):
     # RandAugment reads its draws on the host on a CPU alone (where that costs nothing): the path of every device
     monkeypatch.setattr(RandAugment, "grouped_on_cpu", False)
+    monkeypatch.setattr(module, "FUSED_OPTIMIZER_DEVICES", ("cuda", "cpu"))  # the optimizers a GPU run builds
     for window in measured_windows(image_tree, tmp_path, *recipe):
         syncs = [f"{c.name} at {site}" for c, site in zip(window.device_syncs, window.sync_sites, strict=True)]
         assert syncs == []

@@ -23,6 +23,8 @@ from .tta import tta_logits
 __all__ = ["ImageClassifier", "NonFiniteLossError", "WarmupCosine", "WarmupDecay"]
 
 STAGES = ("train", "val", "test")
+# devices whose optimizers run fused: one kernel per step, and a GradScaler's inf check stays on the device
+FUSED_OPTIMIZER_DEVICES = ("cuda",)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -190,7 +192,8 @@ class ImageClassifier(pl.LightningModule):
         groups = param_groups(self.model, hp.lr, hp.weight_decay, hp.no_decay_lr_scale)
         head = self.model.get_classifier()  # timm's API, which every zoo model has: Muon leaves the head to AdamW
         optimizer = build_optimizer(hp.optimizer, groups, hp.lr, momentum=hp.momentum,
-                                    fused=self.device.type == "cuda", muon_exclude={id(p) for p in head.parameters()},
+                                    fused=self.device.type in FUSED_OPTIMIZER_DEVICES,
+                                    muon_exclude={id(p) for p in head.parameters()},
                                     muon_dtype=resolve_muon_dtype(hp.muon_dtype, accelerator_of(self.device)))
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = WarmupDecay(round(total * hp.warmup_frac), total, hp.min_lr_ratio, hp.schedule)

@@ -137,20 +137,28 @@ class FilterMuon(torch.optim.Muon):
         return False  # no complex parameters
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None):
+        """One step; with a GradScaler's ``grad_scale`` and ``found_inf`` (0-dim device tensors), the gradients
+        are unscaled and the step leaves parameters and momentum as they were where ``found_inf`` is 1, decided
+        on the device (no host read)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        keep = 1.0 if found_inf is None else 1 - found_inf  # 0 (skip the step) or 1, as a device tensor
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)
             if not params:
                 continue
+            if found_inf is not None:  # non-finite gradients zeroed: times a zero weight they would still be NaN
+                scale = 1.0 if grad_scale is None else grad_scale  # None: unscaled already (scaler.unscale_)
+                grads = [torch.where(g.isfinite(), g / scale, 0.0) for g in grads]
             lr, momentum = group["lr"], group["momentum"]
-            torch._foreach_lerp_(buffers, grads, 1 - momentum)
+            weight = (1 - momentum) * keep  # a tensor weight as a list: the 0-dim overload reads it on the host
+            torch._foreach_lerp_(buffers, grads, weight if found_inf is None else [weight] * len(grads))
             updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"] * keep)
             by_shape: dict[tuple[int, ...], list[int]] = {}  # one iteration per wide shape: (m, n) with (n, m)
             for i, update in enumerate(updates):
                 by_shape.setdefault(tuple(_wide(update).shape), []).append(i)
@@ -159,7 +167,7 @@ class FilterMuon(torch.optim.Muon):
                                       group["ns_coefficients"], group["eps"], self.ns_dtype)
                 for i, matrix in zip(members, ortho.unbind(0), strict=True):
                     rate = _adjust_lr(lr, group["adjust_lr_fn"], params[i].shape)
-                    _wide(params[i]).add_(matrix, alpha=-rate)
+                    _wide(params[i]).add_(matrix if found_inf is None else matrix * keep, alpha=-rate)
         return loss
 
 
@@ -186,14 +194,26 @@ class MuonAdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # builds new group dicts and state: point the two at them again
         self._share()
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """With a fused AdamW, a GradScaler (16-mixed) hands this optimizer its scale and inf flag as tensors
+        (``grad_scale``, ``found_inf``) instead of reading the flag on the host before each step: fused AdamW
+        and ``FilterMuon`` unscale and skip on the device."""
+        return bool(self.adamw.defaults["fused"])
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.muon.step()
-        self.adamw.step()
+        scaling = {"grad_scale": getattr(self, "grad_scale", None), "found_inf": getattr(self, "found_inf", None)}
+        self.muon.step(**scaling)
+        vars(self.adamw).update(scaling)  # where torch's Adam(W).step reads a GradScaler's tensors
+        try:
+            self.adamw.step()
+        finally:
+            del self.adamw.grad_scale, self.adamw.found_inf
         return loss
 
 
