@@ -72,7 +72,8 @@ class ImageClassifier(pl.LightningModule):
         compile: True compiles the whole model (``Module.compile``), "regions" each CBAM and transformer block
             (``zoo.models.compile_regions``: seconds to compile, the convolutions stay eager), "step" the
             training step's forward and loss as one graph whose backward inductor compiles too
-            (``compiled_train_loss``: replayed as CUDA graphs on CUDA), evaluation eager.
+            (``compiled_train_loss``: replayed as CUDA graphs on CUDA, so without gradient accumulation; under
+            DDP, dynamo splits it at the gradient buckets), evaluation eager.
         tta: test-time augmentation level of validation and test (``zoo.train.tta``: 0 none, 1 mirror,
             2 mirror + 1-pixel translations).
         nan_check_every: steps between host-side checks of the non-finite-loss flag (every checkpoint
@@ -186,6 +187,13 @@ class ImageClassifier(pl.LightningModule):
         """Compute every whitening filter of the model from (N, C, H, W) normalised training images."""
         for layer in self.whitening_layers:
             layer.fit(images.to(layer.weight.device))
+
+    def on_fit_start(self):
+        # the graphed step's gradients live in CUDA-graph memory that the next replay overwrites: each step must
+        # start from no gradients (Lightning's zero_grad sets them to None before each backward)
+        if self.hparams.compile == "step" and self.device.type == "cuda" and self.trainer.accumulate_grad_batches > 1:
+            raise ValueError("compile='step' replays CUDA graphs, which cannot accumulate gradients: use "
+                             "accumulate_grad_batches=1 or another compile mode")
 
     def configure_optimizers(self):
         hp = self.hparams
