@@ -47,7 +47,7 @@ def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
     assert report["speedrun"]["data"] == "JPEG image folder" or (cifar_dir / "cifar-10-batches-py").is_dir()
     assert set(report["speedrun"]) >= {"seconds_to_90", "seconds_to_94", "first_epoch_s", "later_epoch_s"}
     profile = report["vit_tiny"]
-    assert profile["step_ms"] > 0 and profile["kernel_launches_per_step"] >= 0 and 0 <= profile["device_busy_share"]
+    assert profile["step_ms"] > 0 and profile["device_kernels_per_step"] >= 0 and 0 <= profile["device_busy_share"]
     text = (out / "gpu_check.md").read_text()
     assert "## speedrun" in text and "## cuda_tests" in text
     assert done.stdout.strip().splitlines()[-1] == str(out / "gpu_check.md")
@@ -113,3 +113,17 @@ def test_device_time_counts_kernels_not_the_annotations_that_span_them():
               SimpleNamespace(key="Optimizer.step#AdamW.step", device_type=cuda, is_user_annotation=True),
               SimpleNamespace(key="aten::mm", device_type=cpu, is_user_annotation=False)]
     assert [e.key for e in device_kernels(events)] == ["gemm"]
+
+
+def test_host_launches_count_a_graph_replay_once_not_its_kernels():
+    from types import SimpleNamespace
+
+    from zoo.bench.gpu_check import device_kernels, host_launches
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(key="gemm", device_type=cuda, is_user_annotation=False, count=40),
+              SimpleNamespace(key="cudaGraphLaunch", device_type=cpu, is_user_annotation=False, count=1),
+              SimpleNamespace(key="cudaLaunchKernel", device_type=cpu, is_user_annotation=False, count=3),
+              SimpleNamespace(key="aten::mm", device_type=cpu, is_user_annotation=False, count=40)]
+    assert sum(e.count for e in host_launches(events)) == 4
+    assert sum(e.count for e in device_kernels(events)) == 40

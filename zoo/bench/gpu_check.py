@@ -140,8 +140,9 @@ def vit_tiny(out: Path, data_dir: str | None, dry_run: bool, timeout: float = 90
 def step_profile(name: str, batch: int, steps: int, compile_step: bool = False) -> dict:
     """Where a training step's time goes (forward, loss, backward, AdamW on random images; bf16 autocast on CUDA;
     ``compile_step``: the forward and loss of ``compile: step``):
-    the wall milliseconds of a step against the milliseconds the device spends in kernels (torch.profiler) and
-    the kernel launches per step. A device-busy share well under 1 means the host (Python, launches) sets the pace;
+    the wall milliseconds of a step against the milliseconds the device spends in kernels (torch.profiler), the
+    kernels the device runs per step and the launches the host makes for them (a CUDA graph's replay is one
+    launch of many kernels). A device-busy share well under 1 means the host (Python, launches) sets the pace;
     ``top_device_ops`` names the five ops with the most device time. Without a GPU the device figures are 0."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -163,7 +164,8 @@ def step_profile(name: str, batch: int, steps: int, compile_step: bool = False) 
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # microseconds -> ms per step
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:5]
     return {"profile_batch": batch, "step_ms": 1e3 * wall, "device_busy_ms": busy,
-            "device_busy_share": busy / (1e3 * wall), "kernel_launches_per_step": sum(e.count for e in kernels) / steps,
+            "device_busy_share": busy / (1e3 * wall), "device_kernels_per_step": sum(e.count for e in kernels) / steps,
+            "host_launches_per_step": sum(e.count for e in host_launches(prof.key_averages())) / steps,
             "top_device_ops": [{"op": e.key[:80], "ms_per_step": e.self_device_time_total / 1e3 / steps}
                                for e in top]}
 
@@ -174,6 +176,16 @@ def device_kernels(events) -> list:
     twice; torch's own table leaves annotations out of its device total the same way)."""
     return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
             and not getattr(e, "is_user_annotation", False)]
+
+
+# the CUDA runtime and driver calls that queue work on the device, as the profiler names them
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                          "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync"})
+
+
+def host_launches(events) -> list:
+    """The profiler's averaged events that are the host's calls queueing work on the GPU (``LAUNCH_CALLS``)."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.key in LAUNCH_CALLS]
 
 
 def time_to(metrics_csv: Path, targets=TARGETS) -> dict:
