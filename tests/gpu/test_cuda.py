@@ -88,10 +88,11 @@ def test_training_steps_never_wait_for_the_gpu(optimizer):
     assert not bad, f"non-finite weights after 4 steps: {bad[:5]}"
 
 
-def test_a_cuda_graphed_training_step_gives_the_eager_gradients():
-    """``compile: step`` on CUDA replays the forward and backward as CUDA graphs: the loss, logits and gradients of
-    four steps (warm-up, recording, then replays into the same memory) match the eager module's, and a step's loss
-    is not overwritten by later replays."""
+def test_a_cuda_graphed_training_step_trains_as_the_eager_one():
+    """``compile: step`` on CUDA replays the forward and backward as CUDA graphs. Four steps in Lightning's order
+    (forward, gradients set to None, backward, a fused SGD step; warm-up, recording, then replays into the same
+    memory, the last step's gradients still held during the next forward): each step's loss and gradients match
+    the eager module's in fp32 at the same weights, and a step's loss is not overwritten by later replays."""
     from zoo.train.module import ImageClassifier
 
     modules = []
@@ -100,16 +101,25 @@ def test_a_cuda_graphed_training_step_gives_the_eager_gradients():
         module = ImageClassifier("hybrid_tiny", num_classes=10, compile=compile, channels_last=True).to(CUDA)
         module.log = module.log_dict = lambda *a, **k: None
         modules.append(module)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, fused=True) for m in modules]
     g = torch.Generator(device=CUDA).manual_seed(0)
     batches = [(torch.randn(32, 3, 32, 32, device=CUDA, generator=g), torch.randint(0, 10, (32,), device=CUDA,
                                                                                       generator=g)) for _ in range(4)]
     kept = []
     for batch in batches:
-        for module in modules:
-            module.zero_grad(set_to_none=True)
-            loss = module._shared_step(batch, "train")
-            loss.backward()
+        losses = []
+        for module, optimizer in zip(modules, optimizers, strict=True):
+            losses.append(module._shared_step(batch, "train"))
+            optimizer.zero_grad(set_to_none=True)
+            losses[-1].backward()
         eager, graphed = ([p.grad for p in m.model.parameters()] for m in modules)
         assert all(_relative(b, a) < 1e-2 for a, b in zip(eager, graphed, strict=True))  # fp32 (TF32 may be on)
-        kept.append(loss)
+        assert _relative(losses[1], losses[0]) < 1e-3
+        for optimizer in optimizers:
+            optimizer.step()
+        # the graphed weights set to the eager ones in place (its graphs read them there): float differences in
+        # the two gradients would otherwise grow step by step
+        with torch.no_grad():
+            torch._foreach_copy_(list(modules[1].model.parameters()), list(modules[0].model.parameters()))
+        kept.append(losses[1])
     assert all(torch.isfinite(k) for k in kept) and len({float(k) for k in kept}) == len(kept)
