@@ -29,6 +29,17 @@ def test_integrated_gradients_equals_captum_and_is_complete(model):
     torch.testing.assert_close(ours.sum(dim=(1, 2)), gap, rtol=0.03, atol=0.03 * gap.abs().max().item())
 
 
+def test_integrated_gradients_runs_its_steps_a_batch_at_a_time(model):
+    """Captum's default puts all n_steps x B images through one forward (12,800 at eval.py's batch of 256)."""
+    sizes = []
+    hook = model.patch_embed.register_forward_hook(lambda module, args, out: sizes.append(args[0].shape[0]))
+    try:
+        attribute(model, torch.randn(3, 3, 32, 32), "captum:IntegratedGradients", torch.tensor([1, 2, 3]), n_steps=8)
+    finally:
+        hook.remove()
+    assert max(sizes) == 3 and sum(sizes) == 8 * 3  # 8 steps of 3 images
+
+
 def test_occlusion_uses_the_perturbation_grid_and_callable_targets(model):
     images = torch.randn(1, 3, 32, 32)
     ours = attribute(model, images, "captum:Occlusion", torch.tensor([2]))

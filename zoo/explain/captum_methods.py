@@ -6,8 +6,9 @@ captum:Occlusion``) builds ``captum.attr.NAME(forward)`` and returns its attribu
 ``forward`` is the model, explaining the class index ``target`` (None: the predicted class), or
 ``target(model(x))`` where ``target`` is a callable (logits -> one score per image). Perturbation methods get
 defaults on the 8 x 8 patch grid of the faithfulness tests (Occlusion: windows and strides of one cell;
-FeatureAblation, ShapleyValueSampling, Lime, KernelShap: one feature per cell); options passed to ``attribute``
-override them. Classes that need more than the forward function (a layer, a neuron, a wrapped method) are refused."""
+FeatureAblation, ShapleyValueSampling, Lime, KernelShap: one feature per cell), and path methods
+(IntegratedGradients) run their steps one batch of images at a time; options passed to ``attribute`` override
+them. Classes that need more than the forward function (a layer, a neuron, a wrapped method) are refused."""
 
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ def _needs_only_forward(cls: type) -> bool:
     return not required
 
 
-def _grid_defaults(name: str, images: torch.Tensor) -> dict:
+def _grid_defaults(name: str, images: torch.Tensor, attribute: Callable) -> dict:
     b, c, h, w = images.shape
+    if "internal_batch_size" in inspect.signature(attribute).parameters:
+        # the path's steps in forwards of one batch each (Captum's default: all n_steps x B images in one
+        # forward and backward, tens of GB of activations at B = 256)
+        return dict(internal_batch_size=b)
     cell = (max(h // DEFAULT_GRID, 1), max(w // DEFAULT_GRID, 1))
     if name == "Occlusion":
         # windows batched into one forward of about 256 images (Captum's default: one window per forward)
@@ -76,6 +81,8 @@ def captum_method(name: str) -> Callable[..., torch.Tensor]:
                 with torch.no_grad():
                     target = model(images).argmax(dim=-1)
             index = torch.as_tensor(target, device=images.device).long().reshape(-1)
-        attributions = cls(forward).attribute(images, target=index, **{**_grid_defaults(name, images), **options})
+        explainer = cls(forward)
+        defaults = _grid_defaults(name, images, explainer.attribute)
+        attributions = explainer.attribute(images, target=index, **{**defaults, **options})
         return attributions.detach().sum(dim=1)
     return method
