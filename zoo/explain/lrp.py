@@ -36,12 +36,13 @@ IDENTITY_RULE = (nn.GELU, nn.SiLU)
 
 
 class _IdentityRule(torch.autograd.Function):
-    """y = fn(x); backward: grad * fn(x) / (x + 1e-10) (lxt's identity_rule_implicit)."""
+    """y = fn(x); backward: grad * fn(x) / (x + 1e-10) (lxt's identity_rule_implicit), the ratio computed in
+    float32 (in fp16, x + 1e-10 rounds to x and 0 / 0 is NaN)."""
 
     @staticmethod
     def forward(ctx, fn, x):
         y = fn(x)
-        ctx.save_for_backward(y / (x + 1e-10))
+        ctx.save_for_backward((y.float() / (x.float() + 1e-10)).to(y.dtype))
         return y
 
     @staticmethod
@@ -66,10 +67,11 @@ class _ScaleGrad(torch.autograd.Function):
 def _layer_norm(module: nn.LayerNorm) -> Callable[[torch.Tensor], torch.Tensor]:
     dims = tuple(range(-len(module.normalized_shape), 0))
 
-    def forward(x):
-        mean = x.mean(dim=dims, keepdim=True)
-        std = (x.var(dim=dims, keepdim=True, unbiased=False) + module.eps).sqrt()
-        y = (x - mean) / std.detach()
+    def forward(x):  # the statistics in float32, as LayerNorm computes them under autocast (fp16 overflows)
+        xf = x.float()
+        mean = xf.mean(dim=dims, keepdim=True)
+        std = (xf.var(dim=dims, keepdim=True, unbiased=False) + module.eps).sqrt()
+        y = ((xf - mean) / std.detach()).to(x.dtype)
         if module.weight is not None:
             y = y * module.weight
         return y + module.bias if module.bias is not None else y
