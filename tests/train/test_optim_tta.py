@@ -82,6 +82,11 @@ def test_tta_levels_by_hand():
         assert torch.allclose(tta_logits(model, x, 2), expected, atol=1e-6)
     with pytest.raises(ValueError, match="tta level must be one of"):
         tta_logits(model, x, 3)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):  # bf16 logits, averaged in float32
+        views = model(x), model(x.flip(3))
+        averaged = tta_logits(model, x, 1)
+    assert views[0].dtype == torch.bfloat16 and averaged.dtype == torch.float32
+    assert torch.equal(averaged, 0.5 * (views[0].float() + views[1].float()))
 
 
 def test_auto_precision_follows_the_cpu_flags(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Test-time augmentation as airbench does it (https://github.com/KellerJordan/cifar10-airbench): level 0 is
 the plain forward; level 1 averages the logits of the image and its mirror; level 2 also averages in the mirror
 pair of the image translated by one pixel up-left and one down-right (reflect padding), weighted half and half.
-Images (B, C, H, W) normalised; returns logits (B, num_classes)."""
+Images (B, C, H, W) normalised; returns logits (B, num_classes), averaged in float32 (under bf16 autocast the
+forward's logits are bf16, whose rounding would flip near ties)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ TTA_LEVELS = (0, 1, 2)
 
 
 def _mirror(forward: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (forward(images) + forward(images.flip(-1)))
+    return 0.5 * (forward(images).float() + forward(images.flip(-1)).float())
 
 
 def tta_logits(forward: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, level: int) -> torch.Tensor:
