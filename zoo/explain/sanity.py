@@ -23,8 +23,9 @@ from .methods import attribute
 
 
 def rank(values: torch.Tensor) -> torch.Tensor:
-    """Ranks (1-based, float64) along the last dimension of ``values`` (..., n), ties given their average rank."""
-    flat = values.reshape(-1, values.shape[-1]).double()
+    """Ranks (1-based, float64, on the CPU) along the last dimension of ``values`` (..., n), ties given their
+    average rank."""
+    flat = values.reshape(-1, values.shape[-1]).cpu().double()  # float64: on the CPU (MPS has none)
     rows, n = flat.shape
     sorted_values, order = flat.sort(dim=1, stable=True)
     new_group = torch.ones_like(sorted_values, dtype=torch.long)
@@ -111,7 +112,8 @@ def cascading_randomisation(model: nn.Module, images: torch.Tensor, labels: torc
     original = {method: maps(model, method, 0) for method in methods}
     units = randomisation_units(randomised, images.to(device))
     found = {method: [] for method in methods}
-    with torch.random.fork_rng():
+    accelerator = [] if device.type == "cpu" else [device.index or 0]  # this device's generator, no other GPU's
+    with torch.random.fork_rng(devices=accelerator, device_type="cuda" if device.type == "cpu" else device.type):
         torch.manual_seed(seed)
         for step, (_, parts) in enumerate(tqdm(units, desc="randomising", unit="layer", disable=not progress,
                                                leave=False), start=1):
