@@ -43,7 +43,7 @@ def deletion_curve(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
         for start in range(0, len(images), batch_size):
             part = slice(start, start + batch_size)
             blanked = _blank(images[part].to(device), order[part].to(device), count, grid)
-            correct += (model(blanked).argmax(dim=-1).cpu() == labels[part]).sum().item()
+            correct += (model(blanked).argmax(dim=-1) == labels[part].to(device)).sum().item()
         accuracies.append(correct / len(images))
     return accuracies
 

@@ -111,14 +111,14 @@ def perturbation_curves(model: nn.Module, images: torch.Tensor, targets: torch.T
     if heatmap.dim() != 3 or heatmap.shape[0] != b:
         raise ValueError(f"heatmap must be (B={b}, gh, gw), got {tuple(heatmap.shape)}")
     device = next(model.parameters()).device
-    order = _patch_order(heatmap, grid)
+    images, targets = images.to(device), targets.to(device)  # once: each batch gathers its images on the device
+    order = _patch_order(heatmap.cpu(), grid)  # the masks are built on the host, from the rank of each patch
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(grid * grid).expand(b, -1))  # 0 = most important
     jobs = [(i, j) for i in range(b) for j in range(len(fractions))]
     generator = torch.Generator().manual_seed(seed)
     fill = None  # zero / mean / blur: what a removed pixel becomes depends on its image only, so made once
     if removal != "road":
-        fill = remove(images.to(device), torch.ones(b, 1, h, w, dtype=torch.bool, device=device), removal,
-                      **removal_options)
+        fill = remove(images, torch.ones(b, 1, h, w, dtype=torch.bool, device=device), removal, **removal_options)
     scores = torch.empty(b, len(fractions))
     for start in range(0, len(jobs), batch_size):
         index, column = (torch.tensor(t) for t in zip(*jobs[start:start + batch_size], strict=True))
@@ -126,19 +126,19 @@ def perturbation_curves(model: nn.Module, images: torch.Tensor, targets: torch.T
         top = rank[index] < counts[:, None]  # (n, grid * grid): among the top f
         removed = top if metric == "deletion" else ~top
         removed = removed.reshape(-1, 1, grid, grid).repeat_interleave(h // grid, 2).repeat_interleave(w // grid, 3)
+        rows, removed = index.to(device), removed.to(device)
         if fill is None:
-            perturbed = remove(images[index].to(device), removed.to(device), removal, generator=generator,
-                               **removal_options)
+            perturbed = remove(images[rows], removed, removal, generator=generator, **removal_options)
         else:
-            perturbed = torch.where(removed.to(device), fill[index.to(device)], images[index].to(device))
+            perturbed = torch.where(removed, fill[rows], images[rows])
         probs = model(perturbed).float().softmax(dim=-1)
-        scores[index, column] = probs.gather(1, targets[index].to(device)[:, None])[:, 0].cpu()
+        scores[index, column] = probs.gather(1, targets[rows][:, None])[:, 0].cpu()
     return scores
 
 
 def auc(fractions: Sequence[float], curves: torch.Tensor) -> torch.Tensor:
     """Area under each curve (..., F) over ``fractions``, trapezoid rule."""
-    return torch.trapezoid(curves, torch.tensor(fractions, dtype=curves.dtype), dim=-1)
+    return torch.trapezoid(curves, torch.tensor(fractions, dtype=curves.dtype, device=curves.device), dim=-1)
 
 
 def bootstrap_ci(values: torch.Tensor, *, level: float = 0.95, num_resamples: int = 2000,
