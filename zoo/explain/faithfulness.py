@@ -69,9 +69,11 @@ def deletion_test(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, 
     model.eval()
     device = next(model.parameters()).device
     heatmaps = {}
-    parts = [explain(model, images[i:i + batch_size].to(device)) for i in range(0, len(images), batch_size)]
+    explained = (explain(model, images[i:i + batch_size].to(device)) for i in range(0, len(images), batch_size))
+    # each batch's heatmaps alone: its recording (every layer's (B, H, N, N) maps) is dropped at once
+    parts = [{method: getattr(e, method) for method in ("rollout", "attention", "cbam")} for e in explained]
     for method in ("rollout", "attention", "cbam"):
-        found = [getattr(p, method) for p in parts]
+        found = [p[method] for p in parts]
         if method == "cbam" and "rollout" in heatmaps:
             continue  # the hybrid is explained by its rollout; its gates feed the figures, not this test
         if all(h is not None for h in found):
