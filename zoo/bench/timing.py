@@ -169,7 +169,7 @@ def benchmark_model(model: nn.Module, input_shape: Shape = (3, 32, 32), *, num_c
     latency = measure_latency(model, input_shape, precision=precision, repeats=max(repeats, 5))
     memory = peak_memory(lambda: measure_training(model, input_shape, train_batch, num_classes=num_classes,
                                                   precision=precision, warmup=0, repeats=1), device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type  # "cpu", "mps"
     return {"device": name, "precision": precision, "inference_images_per_s": inference,
             "training_images_per_s": training, "latency_ms": latency * 1000, "peak_memory_bytes": memory,
             "infer_batch": infer_batch, "train_batch": train_batch, "repeats": repeats}
