@@ -433,6 +433,40 @@ def test_cutout_zeroes_one_square_per_image_like_slicing():
         cutout(images, 9)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_augments_its_slice_of_a_global_batch_as_one_process_does(world):
+    """Every rank's generators agree (one seed): each draws for the whole global batch and takes its slice, so an
+    image is augmented as in one process whatever the world size, and two ranks never augment alike."""
+    from zoo.train.data.augment import BatchAugment
+
+    augment = BatchAugment({"crop_padding": 4, "randaugment": True, "cutout": 8}, num_classes=10)
+    images = torch.randint(0, 256, (world * 4, 3, 32, 32), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(0))
+    labels, normalize = torch.arange(world * 4) % 10, lambda x: x.float() / 255
+
+    def run(rows: slice, shard=(0, 1)):
+        torch.manual_seed(1)  # each rank's generator where rank 0's is
+        return augment(images[rows], labels[rows], normalize, shard)[0]
+
+    whole = run(slice(None))  # one process, the whole global batch
+    for rank in range(world):
+        mine = slice(4 * rank, 4 * (rank + 1))
+        torch.testing.assert_close(run(mine, (rank, world)), whole[mine], rtol=0, atol=0)
+    assert not torch.equal(run(slice(0, 4), (0, world)), run(slice(0, 4), (1, world)))
+
+
+def test_the_data_module_augments_as_its_rank_of_the_world(tmp_path):
+    write_imagefolder(tmp_path / "data", per_class=6)
+    dm = make(tmp_path / "data", tmp_path, batch_size=8, val_size=4)
+    dm.setup("fit")
+    images, labels = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8), torch.arange(4)
+    dm._ranks = lambda: (3, 2)  # (world size, rank), as a trainer of three processes gives them to rank 2
+    torch.manual_seed(0)
+    got = dm.augment(images, labels)[0]
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, dm._augment(images, labels, dm.normalize, shard=(2, 3))[0], rtol=0, atol=0)
+
+
 @pytest.fixture
 def small_dm(tmp_path):
     write_imagefolder(tmp_path / "data", per_class=6)

@@ -121,7 +121,8 @@ class RandomStates(pl.Callback):
                            "has_gauss": int(has_gauss), "gauss": float(gauss)}}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # this process's own GPU: only rank 0 writes the checkpoint, and in its process the other GPUs'
-            # generators are seeded but never drawn from; every rank draws as rank 0 does (one seed, one shard size)
+            # generators are seeded but never drawn from; every rank's generators stay equal to rank 0's (one
+            # seed; the augmentation draws for the whole global batch on every rank and each takes its slice)
             state["cuda"] = torch.cuda.get_rng_state()
         return state
 

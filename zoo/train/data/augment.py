@@ -146,16 +146,32 @@ class BatchAugment:
         self.randaugment = RandAugment(**args) if args is not None else None
         self.mix = make_mix(self.config, num_classes)
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor,
-                 normalize: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, normalize: Callable[[torch.Tensor], torch.Tensor],
+                 shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 (B, 3, H, W) images and int64 (B,) labels -> float32 images (``normalize`` turns the uint8
-        batch into floats) and labels: int64 (B,), or (B, num_classes) float probabilities with mixup/cutmix."""
-        images = random_crop(images, self.crop_padding)
+        batch into floats) and labels: int64 (B,), or (B, num_classes) float probabilities with mixup/cutmix.
+
+        ``shard`` (rank, world size): the batch is slice ``rank`` of a global batch of ``world size`` such slices
+        (``GlobalBatchShard``). Every per-image draw (crop, flip, RandAugment, cutout) is made for the whole global
+        batch, as every rank makes it (their generators agree), and this rank takes its slice: each image of a
+        global batch is augmented as in one process, and no two ranks augment alike."""
+        rank, world = shard
+        b, device = images.shape[0], images.device
+        mine = slice(rank * b, (rank + 1) * b)
+        if self.crop_padding:
+            offsets = torch.randint(0, 2 * self.crop_padding + 1, (world * b, 2), device=device)[mine]
+            images = random_crop(images, self.crop_padding, offsets)
         if self.hflip:
-            images = random_hflip(images)
+            images = random_hflip(images, (torch.rand(world * b, device=device) < 0.5)[mine])
         if self.randaugment is not None:
-            images = self.randaugment(images)
-        images = cutout(normalize(images), self.config["cutout"])
-        if self.mix is not None:
+            ops, signs = self.randaugment.draw(world * b, device)
+            images = self.randaugment(images, draws=(ops[:, mine], signs[:, mine]))
+        size, (h, w) = self.config["cutout"], images.shape[-2:]
+        corners = None
+        if 0 < size <= min(h, w):  # (a larger square: cutout's own error)
+            corners = torch.stack([torch.randint(0, h - size + 1, (world * b,), device=device),
+                                   torch.randint(0, w - size + 1, (world * b,), device=device)], dim=1)[mine]
+        images = cutout(normalize(images), size, corners)
+        if self.mix is not None:  # one mixing weight per batch, the same on every rank (torch's CPU generator)
             images, labels = self.mix(images, labels)
         return images, labels

@@ -359,7 +359,8 @@ class ImageDataModule(pl.LightningDataModule):
         mixup/cutmix is active."""
         if self._augment is None:
             raise ValueError("the augmentation needs the number of classes: call setup() first")
-        return self._augment(images, labels, self.normalize)
+        world, rank = self._ranks()  # the batch is this rank's slice of the global batch
+        return self._augment(images, labels, self.normalize, shard=(rank, world))
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int = 0):
         """On the batch's device: ``augment`` while the trainer trains, else only ``normalize``."""

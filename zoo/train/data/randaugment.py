@@ -261,12 +261,14 @@ class RandAugment:
         negate = torch.rand(self.num_ops, batch, device=device, generator=generator) <= 0.5
         return ops, torch.where(negate, -1.0, 1.0)
 
-    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """uint8 (B, 3, H, W) -> uint8 (B, 3, H, W): each image through its own ``num_ops`` drawn ops."""
+    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None,
+                 draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """uint8 (B, 3, H, W) -> uint8 (B, 3, H, W): each image through its own ``num_ops`` drawn ops (``draws``:
+        ``draw``'s result for these images, made by the caller)."""
         if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
             raise ValueError(f"RandAugment takes uint8 (B, 3, H, W) images, got {images.dtype} "
                              f"{tuple(images.shape)}")
-        ops, signs = self.draw(images.shape[0], images.device, generator)
+        ops, signs = draws if draws is not None else self.draw(images.shape[0], images.device, generator)
         for op, sign in zip(ops, signs, strict=True):
             images = self.apply(images, op, sign)
         return images
