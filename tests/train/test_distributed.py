@@ -280,3 +280,30 @@ def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, 
         assert metrics["test_cross_entropy"] == pytest.approx(plain_loss, rel=1e-5)
         per_class = (confusion.diag() / confusion.sum(1)).tolist()
         assert list(metrics["per_class_accuracy"].values()) == pytest.approx(per_class, abs=1e-6)
+
+
+RANK_ZERO_FAILS = """
+import os, sys
+from datetime import timedelta
+import torch
+from zoo.train.distributed import on_rank_zero
+torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+def choose():
+    raise OSError("the disk went away")
+try:
+    on_rank_zero(choose)
+except Exception as err:
+    print(f"{type(err).__name__}: {err}")
+"""
+
+
+def test_a_failure_on_rank_zero_that_is_not_a_value_error_stops_every_rank(tmp_path):
+    """An OSError (a damaged checkpoint, a failed download) on rank 0 while the others wait for its result: rank 0
+    raises it, the others a RuntimeError naming it, instead of waiting out the process group's timeout."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_ZERO_FAILS], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=clean_env(tmp_path, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=port)) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs]
+    assert outs == ["OSError: the disk went away", "RuntimeError: rank 0 failed: OSError: the disk went away"]

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import torch
 from einops import rearrange
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment, TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from torch.utils.data import Dataset, DistributedSampler
@@ -66,7 +67,8 @@ def open_process_group(accelerator: str) -> bool:
         return False
     if accelerator == "gpu":
         torch.cuda.set_device(environment.local_rank())
-    _init_dist_connection(environment, "nccl" if accelerator == "gpu" else "gloo")
+    # Lightning's timeout (30 min), not NCCL's 10: the other ranks wait in a collective while rank 0 builds the data
+    _init_dist_connection(environment, "nccl" if accelerator == "gpu" else "gloo", timeout=default_pg_timeout)
     return True
 
 
@@ -80,19 +82,24 @@ def is_global_zero() -> bool:
 
 def on_rank_zero(choose: Callable[[], T]) -> T:
     """``choose()`` on rank 0 and its result on every rank of the open process group (``choose()`` alone when none
-    is open). A ValueError on rank 0 is raised, with its message, on every rank, so no rank waits for the others."""
+    is open). A ValueError on rank 0 is raised, with its message, on every rank; any other exception is raised
+    on rank 0 and, as a RuntimeError naming it, on the others: no rank waits for one that failed."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return choose()
-    message = [None]
+    message, failure = [None], None
     if torch.distributed.get_rank() == 0:
         try:
             message = [("ok", choose())]
         except ValueError as err:
             message = [("error", str(err))]
+        except Exception as err:  # noqa: BLE001 (told to the other ranks, then raised here as it was)
+            message, failure = [("failed", f"{type(err).__name__}: {err}")], err
     torch.distributed.broadcast_object_list(message, src=0)
     kind, value = message[0]
     if kind == "error":
         raise ValueError(value)
+    if kind == "failed":
+        raise failure if failure is not None else RuntimeError(f"rank 0 failed: {value}")
     return value
 
 
