@@ -75,6 +75,25 @@ def test_streamed_batches_are_the_resident_batches(cifar_dir, tmp_path):
         assert all(torch.equal(x, xs) and torch.equal(y, ys) for (x, y), (xs, ys) in pairs)
 
 
+def test_the_test_setup_keeps_the_fits_choice(cifar_dir, tmp_path, monkeypatch):
+    """With the trainer, the fit's setup decides; the test's (after training filled the device) keeps it. A setup
+    without the trainer (before it exists, on the CPU) decides for itself."""
+    from zoo.train.data import module
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), training=False,
+                              world_size=1, global_rank=0, num_devices=1, current_epoch=0)
+    dm = data(cifar_dir, tmp_path, None)
+    dm.prepare_data()
+    full = iter([True, False, True])  # what the budget says at each decision
+    monkeypatch.setattr(module, "stream_needed", lambda *args: next(full))
+    dm.setup("fit")  # no trainer yet
+    assert dm.streamed is True
+    dm.trainer = trainer
+    dm.setup("fit")
+    dm.setup("test")  # the budget would now say True: kept False
+    assert dm.streamed is False and type(dm.test_dataset).__name__ == "_TensorBatches"
+
+
 class Losses(pl.Callback):
     def __init__(self):
         self.losses = []

@@ -173,6 +173,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.splits = tuple(splits)
         self.memory_budget, self.stream_workers = memory_budget, stream_workers
         self.streamed: bool | None = None  # decided in setup
+        self._trainer_decision: tuple[torch.device, bool] | None = None  # streamed, as decided with the trainer
         self.num_classes: int | None = None
         self.class_names: list[str] | None = None
         self.mean: tuple[float, float, float] | None = None
@@ -247,7 +248,11 @@ class ImageDataModule(pl.LightningDataModule):
 
     def _stream(self, cache: dict, device: torch.device) -> bool:
         """Whether the decoded images exceed the memory budget on ``device`` (on any rank: all ranks then stream);
-        a streamed run needs the cache file, so one that could not be written -> ValueError."""
+        a streamed run needs the cache file, so one that could not be written -> ValueError. Decided once with the
+        trainer per device: the test's setup keeps the fit's choice (the device's free memory then excludes the
+        resident training images, the model and the optimizer)."""
+        if self.trainer is not None and self._trainer_decision and self._trainer_decision[0] == device:
+            return self._trainer_decision[1]
         nbytes = cache["train_images"].nbytes + cache["test_images"].nbytes
         stream = stream_needed(nbytes, device, self.memory_budget)
         # in the trainer's setup every rank is here together (not so in a rank_zero_first build before it)
@@ -257,6 +262,8 @@ class ImageDataModule(pl.LightningDataModule):
             raise ValueError(f"the {nbytes / 2**30:.2f} GiB of decoded images exceed the memory budget on {device} "
                              f"and are read from the cache file, which could not be written: give a writable "
                              f"--cache-dir")
+        if self.trainer is not None:
+            self._trainer_decision = (device, stream)
         return stream
 
     def state_dict(self) -> dict:
