@@ -128,3 +128,14 @@ def test_each_rank_resumes_its_own_gpus_generator_from_what_rank_0_drew(monkeypa
     rank0.install(monkeypatch)
     RandomStates().load_state_dict(old)
     assert torch.equal(rank0.states[0], drawn)
+
+
+def test_an_apple_gpus_generator_is_saved_and_set_again(monkeypatch):
+    states = {"mps": torch.tensor([1, 2], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda device="mps": states["mps"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda state, device="mps": states.update(mps=state.clone()))
+    saved = RandomStates().state_dict()
+    states["mps"] = torch.tensor([7, 7], dtype=torch.uint8)  # drawn from after the checkpoint
+    RandomStates().load_state_dict(saved)
+    assert torch.equal(states["mps"], torch.tensor([1, 2], dtype=torch.uint8))

@@ -111,8 +111,8 @@ class PreemptionCheckpoint(Checkpoint):
 
 class RandomStates(pl.Callback):
     """The global random generators in every checkpoint, set again when a run resumes from one: torch's CPU
-    generator and the current GPU's (augmentation and dropout draw from them), Python's and NumPy's. Stored as
-    tensors and plain Python values, which ``torch.load(weights_only=True)`` reads."""
+    generator and the current GPU's or Apple GPU's (augmentation and dropout draw from them), Python's and
+    NumPy's. Stored as tensors and plain Python values, which ``torch.load(weights_only=True)`` reads."""
 
     def state_dict(self) -> dict:
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -124,6 +124,8 @@ class RandomStates(pl.Callback):
             # generators are seeded but never drawn from; every rank's generators stay equal to rank 0's (one
             # seed; the augmentation draws for the whole global batch on every rank and each takes its slice)
             state["cuda"] = torch.cuda.get_rng_state()
+        if torch.backends.mps.is_available():
+            state["mps"] = torch.mps.get_rng_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -135,6 +137,8 @@ class RandomStates(pl.Callback):
         if "cuda" in state and torch.cuda.is_available():
             cuda = state["cuda"]  # a list, one state per GPU, in checkpoints written before: the first was used
             torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, (list, tuple)) else cuda)
+        if "mps" in state and torch.backends.mps.is_available():
+            torch.mps.set_rng_state(state["mps"])
 
 
 class EpochOrder:
