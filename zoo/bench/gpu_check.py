@@ -48,7 +48,8 @@ def environment() -> dict:
 
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
             "machine": machine_name("gpu" if torch.cuda.is_available() else "cpu"),
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+            # the benchmark suite's (train.py's runs record their own in summary.json: "high" on CUDA, TF32)
+            "suite_float32_matmul_precision": torch.get_float32_matmul_precision()}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", memory_gb=props.total_memory / 2**30,
