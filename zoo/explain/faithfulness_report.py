@@ -117,6 +117,7 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
             part = torch.linspace(0, len(images) - 1, min(sanity_images, len(images))).round().long()
             sanity_found[label] = cascading_randomisation(model, normalised[part], labels[part], list(heatmaps),
                                                           batch_size=batch_size, seed=seed, progress=progress)
+        model.cpu()  # the device holds one scored model at a time
     out.mkdir(parents=True, exist_ok=True)
     board.write_csv(rows, out / "faithfulness.csv")
     (out / "faithfulness.md").write_text(faithfulness_markdown(rows, counts, sanity_found))

@@ -331,6 +331,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
         if grid is None:
             grid = (*spread_test_images(dm, grid_images), dm)
         heatmaps[label] = explain(model, grid[2].normalize(grid[0]).to(device)).heatmap.cpu()
+        model.cpu()  # the device holds one compared model at a time
     _write_table(rows, out)
     viz.save(viz.accuracy_throughput_figure([r["model"] for r in rows], [r["test_top1"] for r in rows],
                                             [r["inference_images_per_s"] for r in rows]),
