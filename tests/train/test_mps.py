@@ -1,6 +1,7 @@
 """Apple silicon (MPS), with the device's availability forced either way since no Mac is at hand: what
 ``--accelerator auto`` and ``eval.py``'s default pick, the one-line refusals, the precision and Muon dtype chosen
-there, torch.compile switched off in one line, and the flex backend's refusal."""
+there, torch.compile switched off in one line, one process for every device, and chunked attention keeping its
+activations where recomputing would redraw dropout."""
 
 from __future__ import annotations
 
@@ -66,3 +67,30 @@ def test_train_py_mps_without_one_is_exit_2(capsys):
     assert train.main(["--model", "vit_nano", "--accelerator", "mps"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no MPS device" in err
+
+
+def test_every_device_on_a_mac_is_one_process(mps):
+    from zoo.train.distributed import device_count
+
+    mps(True)
+    assert device_count(-1, "mps") == device_count("auto", "mps") == 1  # Lightning's count of a Mac's GPUs
+
+
+def test_chunked_attention_keeps_its_activations_where_recomputing_would_redraw_dropout(monkeypatch):
+    """torch's checkpointing restores the CPU's and CUDA's generators for the recomputation, not MPS's: there a
+    recomputed chunk would draw another dropout mask than the forward used, and its gradients would be wrong."""
+    from zoo import MultiHeadAttention
+    from zoo.layers import backends
+
+    assert backends.recompute_keeps_dropout(torch.device("cpu"))
+    assert backends.recompute_keeps_dropout(torch.device("cuda", 0))
+    assert not backends.recompute_keeps_dropout(torch.device("mps"))
+    calls = []
+    monkeypatch.setattr(backends, "checkpoint", lambda fn, *args, **kw: calls.append(1) or fn(*args))
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    for drop, keeps in ((0.0, False), (0.1, True), (0.1, False)):
+        monkeypatch.setattr(backends, "recompute_keeps_dropout", lambda device, keeps=keeps: keeps)
+        attention = MultiHeadAttention(16, 2, attn_drop=drop, backend="chunked", chunk_size=4).train()
+        calls.clear()
+        attention(x).sum().backward()
+        assert len(calls) == (0 if drop and not keeps else 2), (drop, keeps)  # two chunks of 4 queries

@@ -188,6 +188,13 @@ def band_block(chunk_size: int, reach: int) -> int:
     return common if common >= 16 else 16
 
 
+def recompute_keeps_dropout(device: torch.device) -> bool:
+    """Whether torch's activation checkpointing sets ``device``'s generator back for the recomputation, so a
+    recomputed dropout mask is the forward's: it saves the CPU's and that of a device module with
+    ``_initialized`` (CUDA's; not MPS's, whose recomputed masks would differ, silently)."""
+    return device.type == "cpu" or hasattr(torch.get_device_module(device.type), "_initialized")
+
+
 def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights: bool, chunk_size: int):
     """Math attention over ``chunk_size`` query rows at a time.
 
@@ -195,10 +202,11 @@ def chunked_attention(q, k, v, masking: Masking, dropout_p: float, need_weights:
     attends only the keys its window can reach (``MaskSpec.key_range``), so work and memory grow linearly in
     N, and autograd runs through it plainly (as lucidrains' local-attention); each band goes through SDPA.
     Otherwise each chunk sees every key and in training is recomputed in backward (activation checkpointing),
-    so memory stays linear in N."""
+    so memory stays linear in N; not with dropout on a device whose generator checkpointing does not restore
+    (``recompute_keeps_dropout``), where the chunks' activations are kept instead."""
     banded = masking.banded and not need_weights
-    recompute = (not banded and torch.is_grad_enabled()
-                 and (q.requires_grad or k.requires_grad or v.requires_grad))
+    recompute = (not banded and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+                 and (dropout_p == 0 or recompute_keeps_dropout(q.device)))
     if banded:
         chunk_size = band_rows(chunk_size, masking.spec.reach)
         block = band_block(chunk_size, masking.spec.reach)

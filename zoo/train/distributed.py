@@ -39,6 +39,8 @@ def device_count(devices: int | str, accelerator: str) -> int:
         return len([d for d in devices.split(",") if d.strip()])
     if accelerator == "gpu":
         return torch.cuda.device_count()
+    if accelerator == "mps":  # a Mac has one Apple GPU ("all" of them included)
+        return 1
     return (os.cpu_count() or 1) if devices == -1 else 1
 
 
