@@ -113,6 +113,14 @@ def test_peak_memory_sees_a_known_allocation():
     assert 0.9 * size <= int(peak) <= size + 48 * 2**20, int(peak) / 2**20
 
 
+def test_peak_memory_of_a_device_it_cannot_see_is_none_and_runs_nothing():
+    """On MPS (or another non-CUDA device) the host's resident set would not be the device's memory."""
+    from zoo import bench
+
+    ran = []
+    assert bench.peak_memory(lambda: ran.append(1), torch.device("mps")) is None and ran == []
+
+
 def test_tensor_peak_memory_follows_allocations_and_frees():
     def fn():
         a = torch.empty(1024, 1024)  # 4 MiB

@@ -141,10 +141,12 @@ def tensor_peak_memory(fn: Callable[[], object], device: torch.device) -> int:
 def peak_memory(fn: Callable[[], object], device: torch.device) -> int | None:
     """Peak memory in bytes that running ``fn()`` adds: on CUDA the allocator's peak; on a Linux CPU the
     growth of the peak resident set (reset through /proc/self/clear_refs first); None where neither exists
-    (``fn`` is then not run). CPU figures include allocator slack (glibc keeps freed blocks): see
-    ``tensor_peak_memory`` for tensors alone."""
+    (another device such as MPS, a CPU without /proc such as macOS; ``fn`` is then not run). CPU figures include
+    allocator slack (glibc keeps freed blocks): see ``tensor_peak_memory`` for tensors alone."""
     if device.type == "cuda":
         return _cuda_peak(fn, device)
+    if device.type != "cpu":  # the resident set would count host memory, not the device's
+        return None
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM (the peak RSS) to the current RSS
