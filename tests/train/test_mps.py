@@ -94,3 +94,20 @@ def test_chunked_attention_keeps_its_activations_where_recomputing_would_redraw_
         calls.clear()
         attention(x).sum().backward()
         assert len(calls) == (0 if drop and not keeps else 2), (drop, keeps)  # two chunks of 4 queries
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "muon"])
+def test_optimizers_run_fused_on_a_mac_as_on_a_gpu(optimizer):
+    """torch's fused AdamW and SGD run on MPS (its for-each kernels do not: unfused would be a per-tensor loop),
+    and fused AdamW takes a GradScaler's tensors under 16-mixed."""
+    from types import SimpleNamespace
+
+    from zoo.train.module import ImageClassifier
+
+    module = ImageClassifier("vit_nano", {"embed_dim": 32, "depth": 1, "num_heads": 2}, optimizer=optimizer)
+    module._trainer = SimpleNamespace(estimated_stepping_batches=10)
+    for place, fused in ((torch.device("cpu"), False), (torch.device("mps"), True)):
+        module._device = place  # what Lightning's move to the device sets
+        built = module.configure_optimizers()["optimizer"]
+        assert (built.adamw if optimizer == "muon" else built).defaults["fused"] is fused
+    assert "mps" in torch.utils._foreach_utils._get_fused_kernels_supported_devices()  # torch's own list

@@ -24,7 +24,7 @@ __all__ = ["ImageClassifier", "NonFiniteLossError", "WarmupCosine", "WarmupDecay
 
 STAGES = ("train", "val", "test")
 # devices whose optimizers run fused: one kernel per step, and a GradScaler's inf check stays on the device
-FUSED_OPTIMIZER_DEVICES = ("cuda",)
+FUSED_OPTIMIZER_DEVICES = ("cuda", "mps")
 
 
 class NonFiniteLossError(FloatingPointError):
