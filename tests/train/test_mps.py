@@ -111,3 +111,11 @@ def test_optimizers_run_fused_on_a_mac_as_on_a_gpu(optimizer):
         built = module.configure_optimizers()["optimizer"]
         assert (built.adamw if optimizer == "muon" else built).defaults["fused"] is fused
     assert "mps" in torch.utils._foreach_utils._get_fused_kernels_supported_devices()  # torch's own list
+
+
+def test_a_run_recorded_in_fp16_resumes_in_fp16_on_a_mac_not_on_a_cpu(tmp_path):
+    from zoo.train.runs import recorded_choice
+
+    (tmp_path / "config.yaml").write_text("precision: 16-mixed\n")
+    found = {place: recorded_choice(tmp_path, "precision", "32", place) for place in ("gpu", "mps", "cpu")}
+    assert found == {"gpu": "16-mixed", "mps": "16-mixed", "cpu": "32"}  # Lightning has fp16 AMP but on a CPU

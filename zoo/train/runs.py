@@ -239,13 +239,13 @@ def create_run_dir(recipe: Recipe, run_dir: Path) -> Path | None:
 def recorded_choice(run_dir: Path, key: str, default: str, accelerator: str) -> str:
     """What a run's config.yaml records under ``key`` (``fit`` writes what ``auto`` and the probes resolved to:
     precision, muon_dtype, optimizer), or ``default`` when it records none or no valid one, cannot be read, or
-    records fp16 AMP and the run now resumes on a CPU (Lightning has none there)."""
+    records fp16 AMP and the run now resumes on a CPU (Lightning has none there; a GPU and MPS have)."""
     try:
         recorded = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get(key)
         Recipe.from_dict({key: recorded})  # the recipe's own check of the value
     except (OSError, yaml.YAMLError, AttributeError, ValueError):
         return default
-    if recorded is None or key == "precision" and str(recorded) == "16-mixed" and accelerator != "gpu":
+    if recorded is None or key == "precision" and str(recorded) == "16-mixed" and accelerator == "cpu":
         return default
     return str(recorded)
 
