@@ -175,8 +175,8 @@ def resolve_accelerator(accelerator: str, devices) -> str:
     met -> ValueError (MPS is one device)."""
     if accelerator == "mps" or accelerator == "auto" and not torch.cuda.device_count() and mps_available():
         if not mps_available():
-            raise ValueError("--accelerator mps requested but torch has no MPS device here (Apple silicon, macOS "
-                             "12.3+); use --accelerator cpu")
+            raise ValueError("--accelerator mps requested but torch has no MPS device here (Apple silicon, with "
+                             "the macOS version this torch build requires); use --accelerator cpu")
         if isinstance(devices, int) and devices > 1 or isinstance(devices, str) and "," in devices:
             raise ValueError(f"--devices {devices}: Apple MPS is one device; use --devices 1")
         return "mps"
