@@ -183,7 +183,6 @@ def test_schedule_and_closure_reach_both_halves():
     assert all(moved)
 
 
-
 class ScalerUnaware(MuonAdamW):
     """MuonAdamW as torch's optimizers without scaler support: the scaler unscales, reads its inf flag and skips."""
 
