@@ -330,3 +330,28 @@ def test_the_cuda_graphed_step_refuses_gradient_accumulation():
         module.on_fit_start()
     module._trainer.accumulate_grad_batches = 1
     module.on_fit_start()
+
+
+def test_under_several_processes_each_rank_draws_its_own_dropout_and_the_generators_stay_in_step():
+    """Every rank's generators agree (one seed; the augmentation relies on it). The training forward's dropout and
+    drop path are drawn apart per rank inside a fork, and every rank leaves it with the generators still equal;
+    one process draws exactly as the plain forward does."""
+    from types import SimpleNamespace
+
+    module = ImageClassifier("vit_nano", {**TINY, "depth": 2, "drop_path_rate": 0.5}, num_classes=10).train()
+    module.log = lambda *args, **kwargs: None
+    images, labels = torch.randn(8, 3, 16, 16), torch.arange(8)
+
+    def step(world: int, rank: int = 0):
+        module._trainer = SimpleNamespace(world_size=world, global_rank=rank)
+        torch.manual_seed(0)
+        loss = module._shared_step((images, labels), "train")
+        return loss.detach(), torch.get_rng_state()
+
+    torch.manual_seed(0)
+    plain = F.cross_entropy(module(images).float(), labels)
+    alone, _ = step(1)
+    torch.testing.assert_close(alone, plain.detach(), rtol=0, atol=0)
+    (first, after_first), (second, after_second) = step(2, 0), step(2, 1)
+    assert not torch.equal(first, second) and torch.equal(after_first, after_second)
+    assert torch.equal(step(2, 1)[0], second)  # the rank's draw is a function of the shared state and the rank

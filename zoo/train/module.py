@@ -6,6 +6,7 @@ weight decay on norms, biases, position embeddings and the class token, label sm
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import lightning.pytorch as pl
@@ -52,6 +53,15 @@ def compiled_train_loss(device_type: str):
         loss, logits = graphed(*args)
         return loss.clone(), logits.detach().clone()
     return step
+
+
+@contextlib.contextmanager
+def forked_generators(device: torch.device, seed: int):
+    """torch's CPU generator and ``device``'s seeded with ``seed`` inside the block, set back as they were after."""
+    accelerator = [] if device.type == "cpu" else [device.index or 0]
+    with torch.random.fork_rng(devices=accelerator, device_type="cuda" if device.type == "cpu" else device.type):
+        torch.manual_seed(seed)
+        yield
 
 
 class ImageClassifier(pl.LightningModule):
@@ -120,14 +130,26 @@ class ImageClassifier(pl.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images.contiguous(memory_format=self.memory_format))
 
+    def rank_own_draws(self):
+        """Under several processes, the training forward's own random draws (dropout, drop path) made apart on each
+        rank: inside, the generators are seeded from one draw every rank makes alike plus the rank, and outside they
+        stay equal on every rank (the augmentation draws for the global batch, and resume is exact). One process, or
+        the CUDA-graphed step (whose replays keep their own generator offsets), draws as it is."""
+        world = self._trainer.world_size if self._trainer is not None else 1
+        if world == 1 or (self.hparams.compile == "step" and self.device.type == "cuda"):
+            return contextlib.nullcontext()
+        base = int(torch.randint(2**31, ()))  # torch's CPU generator: a host value, no wait for the device
+        return forked_generators(self.device, base * world + self._trainer.global_rank)
+
     def _shared_step(self, batch, stage: str) -> torch.Tensor:
         images, targets = batch
-        if stage == "train" and self.hparams.compile == "step":
-            loss, logits = compiled_train_loss(images.device.type)(self.model, images, targets,
-                                                                  self.hparams.label_smoothing, self.memory_format)
-        else:
-            logits = self(images) if stage == "train" else tta_logits(self, images, self.hparams.tta)
-            loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.hparams.label_smoothing)
+        with self.rank_own_draws() if stage == "train" else contextlib.nullcontext():
+            if stage == "train" and self.hparams.compile == "step":
+                loss, logits = compiled_train_loss(images.device.type)(
+                    self.model, images, targets, self.hparams.label_smoothing, self.memory_format)
+            else:
+                logits = self(images) if stage == "train" else tta_logits(self, images, self.hparams.tta)
+                loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.hparams.label_smoothing)
         labels = targets.argmax(dim=1) if targets.ndim == 2 else targets
         metrics = self.metrics[f"{stage}_acc"]
         metrics.update(logits.detach(), labels)
