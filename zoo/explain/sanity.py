@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..train.device import forked_generators
 from .methods import attribute
 
 
@@ -112,9 +113,7 @@ def cascading_randomisation(model: nn.Module, images: torch.Tensor, labels: torc
     original = {method: maps(model, method, 0) for method in methods}
     units = randomisation_units(randomised, images.to(device))
     found = {method: [] for method in methods}
-    accelerator = [] if device.type == "cpu" else [device.index or 0]  # this device's generator, no other GPU's
-    with torch.random.fork_rng(devices=accelerator, device_type="cuda" if device.type == "cpu" else device.type):
-        torch.manual_seed(seed)
+    with forked_generators(device, seed):
         for step, (_, parts) in enumerate(tqdm(units, desc="randomising", unit="layer", disable=not progress,
                                                leave=False), start=1):
             _reinitialise(parts)

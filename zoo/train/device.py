@@ -4,6 +4,7 @@ overrides the CPU detection) and so which dtype Muon's iteration runs in, and a 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -255,3 +256,13 @@ def host_sync_every(device_type: str) -> int:
     they cost nothing; on a GPU ("cuda", "gpu", "mps") every 50th, under a second of training for the zoo's
     models."""
     return 1 if device_type == "cpu" else 50
+
+
+@contextlib.contextmanager
+def forked_generators(device: torch.device, seed: int):
+    """torch's CPU generator and ``device``'s alone (no other GPU's) seeded with ``seed`` inside the block, set back
+    as they were after."""
+    accelerator = [] if device.type == "cpu" else [device.index or 0]
+    with torch.random.fork_rng(devices=accelerator, device_type="cuda" if device.type == "cpu" else device.type):
+        torch.manual_seed(seed)
+        yield

@@ -17,7 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..layers.whitening import PatchWhitening
 from ..models import compile_regions, create_model
-from .device import accelerator_of, host_sync_every, resolve_muon_dtype
+from .device import accelerator_of, forked_generators, host_sync_every, resolve_muon_dtype
 from .optim import WarmupCosine, WarmupDecay, build_optimizer, param_groups
 from .tta import tta_logits
 
@@ -53,15 +53,6 @@ def compiled_train_loss(device_type: str):
         loss, logits = graphed(*args)
         return loss.clone(), logits.detach().clone()
     return step
-
-
-@contextlib.contextmanager
-def forked_generators(device: torch.device, seed: int):
-    """torch's CPU generator and ``device``'s seeded with ``seed`` inside the block, set back as they were after."""
-    accelerator = [] if device.type == "cpu" else [device.index or 0]
-    with torch.random.fork_rng(devices=accelerator, device_type="cuda" if device.type == "cpu" else device.type):
-        torch.manual_seed(seed)
-        yield
 
 
 class ImageClassifier(pl.LightningModule):
