@@ -26,6 +26,22 @@ DEFAULT_AUGMENT = {
 RANDAUGMENT_DEFAULTS = {"num_ops": 2, "magnitude": 9}
 
 
+def crop_offsets(n: int, padding: int, device: torch.device) -> torch.Tensor:
+    """(n, 2) int64 (top, left) crop offsets, uniform in [0, 2 * padding]."""
+    return torch.randint(0, 2 * padding + 1, (n, 2), device=device)
+
+
+def flip_coins(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) bool, each True with p = 0.5: which images to mirror."""
+    return torch.rand(n, device=device) < 0.5
+
+
+def cutout_corners(n: int, height: int, width: int, size: int, device: torch.device) -> torch.Tensor:
+    """(n, 2) int64 (top, left) corners of ``size`` x ``size`` squares, uniform inside a height x width image."""
+    return torch.stack([torch.randint(0, height - size + 1, (n,), device=device),
+                        torch.randint(0, width - size + 1, (n,), device=device)], dim=1)
+
+
 def random_crop(images: torch.Tensor, padding: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Random crop of (B, C, H, W) images after zero padding by ``padding`` on each side, one crop per image.
 
@@ -35,7 +51,7 @@ def random_crop(images: torch.Tensor, padding: int, offsets: torch.Tensor | None
         return images
     b, c, h, w = images.shape
     if offsets is None:
-        offsets = torch.randint(0, 2 * padding + 1, (b, 2), device=images.device)
+        offsets = crop_offsets(b, padding, images.device)
     padded = torch.nn.functional.pad(images, (padding,) * 4)  # (B, C, H + 2p, W + 2p)
     rows = offsets[:, 0, None] + torch.arange(h, device=images.device)  # (B, H)
     cols = offsets[:, 1, None] + torch.arange(w, device=images.device)  # (B, W)
@@ -47,7 +63,7 @@ def random_crop(images: torch.Tensor, padding: int, offsets: torch.Tensor | None
 def random_hflip(images: torch.Tensor, flip: torch.Tensor | None = None) -> torch.Tensor:
     """Mirror (B, C, H, W) images left-right where ``flip`` (B,) bool is True (drawn with p = 0.5 if None)."""
     if flip is None:
-        flip = torch.rand(images.shape[0], device=images.device) < 0.5
+        flip = flip_coins(images.shape[0], images.device)
     return torch.where(flip[:, None, None, None], images.flip(-1), images)
 
 
@@ -62,8 +78,7 @@ def cutout(images: torch.Tensor, size: int, corners: torch.Tensor | None = None)
     if size > min(h, w):
         raise ValueError(f"augment cutout {size} is larger than the {h}x{w} images; use at most {min(h, w)}")
     if corners is None:
-        corners = torch.stack([torch.randint(0, h - size + 1, (b,), device=images.device),
-                               torch.randint(0, w - size + 1, (b,), device=images.device)], dim=1)
+        corners = cutout_corners(b, h, w, size, images.device)
     rows = torch.arange(h, device=images.device) - corners[:, :1]  # (B, H): offset from the square's top
     cols = torch.arange(w, device=images.device) - corners[:, 1:]  # (B, W)
     inside = ((rows >= 0) & (rows < size))[:, :, None] & ((cols >= 0) & (cols < size))[:, None, :]
@@ -159,18 +174,15 @@ class BatchAugment:
         b, device = images.shape[0], images.device
         mine = slice(rank * b, (rank + 1) * b)
         if self.crop_padding:
-            offsets = torch.randint(0, 2 * self.crop_padding + 1, (world * b, 2), device=device)[mine]
-            images = random_crop(images, self.crop_padding, offsets)
+            images = random_crop(images, self.crop_padding, crop_offsets(world * b, self.crop_padding, device)[mine])
         if self.hflip:
-            images = random_hflip(images, (torch.rand(world * b, device=device) < 0.5)[mine])
+            images = random_hflip(images, flip_coins(world * b, device)[mine])
         if self.randaugment is not None:
             ops, signs = self.randaugment.draw(world * b, device)
             images = self.randaugment(images, draws=(ops[:, mine], signs[:, mine]))
         size, (h, w) = self.config["cutout"], images.shape[-2:]
-        corners = None
-        if 0 < size <= min(h, w):  # (a larger square: cutout's own error)
-            corners = torch.stack([torch.randint(0, h - size + 1, (world * b,), device=device),
-                                   torch.randint(0, w - size + 1, (world * b,), device=device)], dim=1)[mine]
+        # (no square: nothing to draw; a larger one than the image: cutout's own error)
+        corners = cutout_corners(world * b, h, w, size, device)[mine] if 0 < size <= min(h, w) else None
         images = cutout(normalize(images), size, corners)
         if self.mix is not None:  # one mixing weight per batch, the same on every rank (torch's CPU generator)
             images, labels = self.mix(images, labels)
