@@ -212,23 +212,29 @@ def decides_now(trainer: pl.Trainer, every: int) -> bool:
     return trainer.world_size == 1 or trainer.global_step % every == 0
 
 
-class TimedCheckpoint(ModelCheckpoint):
-    """Lightning's ``ModelCheckpoint(train_time_interval=...)``, whose time check (rank 0's clock, broadcast to every
-    rank at each step) runs on ``decides_now`` steps only."""
+class _DecidesEveryFewSteps:
+    """Runs the base callback's batch-end check (rank 0's clock, broadcast to every rank) on ``decides_now`` steps
+    only; the subclass sets ``decide_every``."""
 
-    def __init__(self, *args, decide_every: int = 1, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.decide_every = decide_every
+    decide_every = 1
 
     def on_train_batch_end(self, trainer, *args, **kwargs):
         if decides_now(trainer, self.decide_every):
             super().on_train_batch_end(trainer, *args, **kwargs)
 
 
-class StepTimer(Timer):
-    """Lightning's ``Timer`` as ``Trainer(max_time=...)`` adds it, whose check (rank 0's clock, broadcast to every
-    rank at each step) runs on ``decides_now`` steps only; its checkpoint state keeps ``Timer``'s key, so a run
-    written before resumes its elapsed time."""
+class TimedCheckpoint(_DecidesEveryFewSteps, ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint(train_time_interval=...)``, whose time check runs on ``decides_now`` steps
+    only."""
+
+    def __init__(self, *args, decide_every: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decide_every = decide_every
+
+
+class StepTimer(_DecidesEveryFewSteps, Timer):
+    """Lightning's ``Timer`` as ``Trainer(max_time=...)`` adds it, whose check runs on ``decides_now`` steps only;
+    its checkpoint state keeps ``Timer``'s key, so a run written before resumes its elapsed time."""
 
     def __init__(self, duration, decide_every: int = 1):
         super().__init__(duration=duration, interval="step")
@@ -237,7 +243,3 @@ class StepTimer(Timer):
     @property
     def state_key(self) -> str:
         return Timer.__qualname__
-
-    def on_train_batch_end(self, trainer, *args, **kwargs):
-        if decides_now(trainer, self.decide_every):
-            super().on_train_batch_end(trainer, *args, **kwargs)
