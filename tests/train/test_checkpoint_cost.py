@@ -63,9 +63,9 @@ def test_throughput_leaves_out_checkpoint_writes(tmp_path, monkeypatch):
     assert throughput.images_per_s == pytest.approx(56 / 6.0)
 
 
-@pytest.mark.parametrize("minutes, last_writes", [(60.0, 1), (0.0, 1)])
-def test_last_checkpoint_is_written_at_the_end_not_after_every_validation(minutes, last_writes, cifar_dir, tmp_path,
-                                                                          monkeypatch, capsys):
+@pytest.mark.parametrize("minutes, every_n_steps, last_steps", [(60.0, 500, [6]), (0.0, 500, [6]), (0.0, 4, [4, 6])])
+def test_last_checkpoint_is_written_at_the_end_not_after_every_validation(minutes, every_n_steps, last_steps, cifar_dir,
+                                                                          tmp_path, monkeypatch, capsys):
     written = []
     save = runs.AtomicCheckpointIO.save_checkpoint
 
@@ -77,10 +77,12 @@ def test_last_checkpoint_is_written_at_the_end_not_after_every_validation(minute
     args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--data-dir", str(cifar_dir), "--cache-dir",
             str(tmp_path / "cache"), "--max-train-images", "64", "--max-test-images", "16", "--set", "val_size=16",
             "--epochs", "3", "--batch-size", "16", "--limit-train-batches", "2", "--limit-val-batches", "1",
-            "--limit-test-batches", "1", "--ckpt-every-minutes", str(minutes), "--out", str(tmp_path / "runs")]
+            "--limit-test-batches", "1", "--ckpt-every-minutes", str(minutes),
+            "--ckpt-every-n-steps", str(every_n_steps), "--out", str(tmp_path / "runs")]
     assert train.main(args) == 0
     run_dir = Path(capsys.readouterr().out.strip().splitlines()[-1])
     lasts = [step for name, step in written if name == "last.ckpt"]
-    assert lasts == [6][:last_writes]  # three validations, one write of last.ckpt: at the end, step 6
+    # three validations, no write of last.ckpt after them; one every N steps and one at the end, step 6
+    assert lasts == last_steps
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
     assert {name for name, _ in written} == {"last.ckpt", "best.ckpt"}

@@ -3,8 +3,9 @@ budget (``--max-time``); ``Throughput`` measures training images per second, val
 ``ValidationClock`` logs the fit's wall time beside each validation's scores (time to an accuracy);
 ``EMAWeightAveraging`` keeps an exponential moving average of the weights and ``LossProgressBar`` shows the
 training loss, neither of them reading a device value on the host between progress-bar refreshes;
-``TimedCheckpoint`` and ``StepTimer`` are Lightning's time-interval checkpoint and time limit, deciding every few
-steps under several processes (``decides_now``)."""
+``LastCheckpoint`` writes last.ckpt every N steps and when training ends; ``TimedCheckpoint`` and ``StepTimer`` are
+Lightning's time-interval checkpoint and time limit, deciding every few steps under several processes
+(``decides_now``)."""
 
 from __future__ import annotations
 
@@ -221,6 +222,18 @@ class _DecidesEveryFewSteps:
     def on_train_batch_end(self, trainer, *args, **kwargs):
         if decides_now(trainer, self.decide_every):
             super().on_train_batch_end(trainer, *args, **kwargs)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint(save_last=True)`` that writes last.ckpt when training ends unless a checkpoint
+    callback of the same file name wrote it at this step. Lightning's writes it at the end only if this callback
+    never wrote it, so a run that saved every N steps would end with a last.ckpt from before its final steps."""
+
+    def on_train_end(self, trainer, pl_module):
+        written = {cb._last_global_step_saved for cb in trainer.checkpoint_callbacks
+                   if isinstance(cb, ModelCheckpoint) and cb.filename == self.filename}
+        if self.save_last and trainer.global_step not in written:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 class TimedCheckpoint(_DecidesEveryFewSteps, ModelCheckpoint):

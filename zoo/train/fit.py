@@ -25,6 +25,7 @@ from ..atomic import atomic_write_json
 from ..models import create_model, model_info
 from .callbacks import (
     EMAWeightAveraging,
+    LastCheckpoint,
     LossProgressBar,
     StepTimer,
     Throughput,
@@ -231,8 +232,8 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
     recipe, ckpt_dir, writes = plan.recipe, plan.run_dir / "checkpoints", AtomicCheckpointIO()
     best = ModelCheckpoint(ckpt_dir, "best", monitor="val/top1", mode="max", save_top_k=1,
                            enable_version_counter=False)
-    # last.ckpt every N steps and, with save_last, when the fit ends however it ends (Lightning's on_train_end)
-    steps = ModelCheckpoint(ckpt_dir, "last", save_top_k=0, save_last=True,
+    # last.ckpt every N steps and when training ends (an exception or a signal saves it elsewhere)
+    steps = LastCheckpoint(ckpt_dir, "last", save_top_k=0, save_last=True,
                             every_n_train_steps=recipe.ckpt_every_n_steps, enable_version_counter=False)
     # and every few minutes of training, not after every validation: on a GPU an epoch takes seconds, and writing
     # the weights and optimizer state that often would cost more than training
