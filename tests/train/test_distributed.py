@@ -307,3 +307,52 @@ def test_a_failure_on_rank_zero_that_is_not_a_value_error_stops_every_rank(tmp_p
                                             MASTER_PORT=port)) for r in (0, 1)]
     outs = [p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs]
     assert outs == ["OSError: the disk went away", "RuntimeError: rank 0 failed: OSError: the disk went away"]
+
+
+NODE_FIRST = """
+import os, time
+from datetime import timedelta
+from pathlib import Path
+import torch
+from zoo.train.distributed import rank_zero_first
+torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+disk = Path(f"machine{os.environ['GROUP_RANK']}")  # each machine its own disk: no shared file system
+def build():
+    if (disk / "cache").exists():
+        return "found"
+    time.sleep(1.0)  # a build that takes a while: the processes of one machine would overlap in it
+    disk.mkdir(exist_ok=True)
+    with open(disk / "builds", "a") as log:
+        log.write("build\\n")
+    (disk / "cache").write_text("decoded")
+    return "built"
+def missing():
+    if os.environ["GROUP_RANK"] == "1":
+        raise ValueError("no CIFAR-10 in DATA on this machine")
+    return "ok"
+print(rank_zero_first(build))
+try:
+    rank_zero_first(missing)
+except ValueError as err:
+    print(f"ValueError: {err}")
+"""
+
+
+def test_each_machine_builds_its_data_once_and_a_failed_build_stops_every_rank(tmp_path):
+    """Three torchrun processes on two machines without a shared disk (rank 0 alone, ranks 1 and 2 together): rank 0
+    builds, then the first process of the other machine, then the rest, which find its copy; a ValueError on the
+    second machine reaches every rank instead of leaving them waiting."""
+    port = str(free_port())
+    machines = [(0, 0, 1), (1, 0, 2), (1, 1, 2)]  # per rank: machine, local rank, processes on that machine
+    procs = [subprocess.Popen([sys.executable, "-c", NODE_FIRST], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=clean_env(tmp_path, RANK=str(rank), WORLD_SIZE="3", GROUP_RANK=str(machine),
+                                            LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(size),
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank, (machine, local, size) in enumerate(machines)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [out.strip().splitlines() for out, _ in outs] == [
+        ["built", "ValueError: no CIFAR-10 in DATA on this machine"],
+        ["built", "ValueError: no CIFAR-10 in DATA on this machine"],
+        ["found", "ValueError: no CIFAR-10 in DATA on this machine"]], [err[-2000:] for _, err in outs]
+    assert [(tmp_path / f"machine{m}" / "builds").read_text().count("build") for m in (0, 1)] == [1, 1]

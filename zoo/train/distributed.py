@@ -105,13 +105,34 @@ def on_rank_zero(choose: Callable[[], T]) -> T:
     return value
 
 
+def local_rank() -> int:
+    """This process's rank on its machine: the external launcher's (torchrun, SLURM), else ``LOCAL_RANK``."""
+    environment = external_environment()
+    return environment.local_rank() if environment else int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def rank_zero_first(make: Callable[[], T]) -> T:
-    """``make()`` on rank 0, then on the other ranks (which find what it built, a data cache say); rank 0's
-    ValueError is raised on every rank. ``make()`` alone when no process group is open."""
+    """``make()`` on rank 0, then on the first process of every other machine, then on the other ranks: each finds
+    what the one before it built (a data cache, say), and a machine that does not share rank 0's file system builds
+    its own copy once, not once per process. A ValueError raised in ``make()`` is raised, with its message, on every
+    rank, any other exception as a RuntimeError naming it. ``make()`` alone when no process group is open."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return make()
-    made = []
+    made, failure = [], None
     on_rank_zero(lambda: made.append(make()))
+    if not made and local_rank() == 0:
+        try:
+            made.append(make())
+        except Exception as err:  # noqa: BLE001 (raised here as it was, and told to every other rank)
+            failure = err
+    told: list = [None] * torch.distributed.get_world_size()
+    summary = None if failure is None else (isinstance(failure, ValueError), type(failure).__name__, str(failure))
+    torch.distributed.all_gather_object(told, summary)  # no rank waits for a machine whose build failed
+    if failure is not None:
+        raise failure
+    for is_value_error, kind, message in filter(None, told):
+        raise ValueError(message) if is_value_error else RuntimeError(f"a machine's first process failed: {kind}: "
+                                                                      f"{message}")
     return made[0] if made else make()
 
 
