@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zoo.explain import figures as viz
-from zoo.explain.html_report import html_report
+from zoo.explain.html_report import html_report, measured_on
 
 PROBE = """<script>window.addEventListener("load", () => {
   const p = document.createElement("pre"); p.id = "probe";
@@ -87,3 +87,11 @@ def test_a_constant_map_is_said_in_words():
                                  cbam=[torch.rand(8, 8), torch.ones(4, 4)])
     assert [t.get_text() for ax in fig.axes for t in ax.texts] == ["constant map:\nevery value 1"]
     assert len(fig.axes[3].images) == 0  # no flat colour panel
+
+
+def test_the_speed_footnote_names_the_device_the_speed_was_measured_on(monkeypatch):
+    """A GPU's throughput is said to come from that GPU, not from the host's CPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"NVIDIA H200 ({device})")
+    assert measured_on(torch.device("cuda", 1)).startswith("NVIDIA H200 (cuda:1), torch ")
+    assert measured_on(torch.device("mps")).startswith("Apple GPU (mps), torch ")
+    assert f"{torch.get_num_threads()} threads, torch " in measured_on(torch.device("cpu"))

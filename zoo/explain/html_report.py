@@ -120,11 +120,23 @@ def html_report(sources: Sequence[str | Path], out: str | Path, *, data_dir: str
                         f'<img alt="{html.escape(label)} curves" src="{curves_uri}">')
     atomic_write_json(out / "metrics.json", numbers)
     path = out / "report.html"
-    path.write_text(_page(numbers, rows, sections))
+    path.write_text(_page(numbers, rows, sections, measured_on(eval_device(device))))
     return path
 
 
-def _page(numbers: dict[str, dict], rows: list[dict], sections: list[str]) -> str:
+def measured_on(device: torch.device) -> str:
+    """The device the throughput ran on, in words: the GPU's name, else the CPU and its threads; torch's version."""
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    elif device.type == "mps":
+        where = "Apple GPU (mps)"
+    else:
+        cpu = " ".join(filter(None, (platform.machine(), platform.processor())))
+        where = f"{cpu}, {torch.get_num_threads()} threads"
+    return f"{where}, torch {torch.__version__}"
+
+
+def _page(numbers: dict[str, dict], rows: list[dict], sections: list[str], machine: str) -> str:
     head = "".join(f"<th>{html.escape(title)}</th>" for _, title in MODEL_COLUMNS)
     model_rows = "".join(
         f"<tr><td>{html.escape(label)}</td>" + "".join(_number(n[key], f"{label}|{key}") for key, _ in MODEL_COLUMNS)
@@ -134,8 +146,6 @@ def _page(numbers: dict[str, dict], rows: list[dict], sections: list[str]) -> st
         "<tr>" + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in ("model", "method", "removal", "metric"))
         + "".join(_number(r[c], f"{r['model']}|{r['method']}|{r['removal']}|{r['metric']}|{c}") for c in BOARD_COLUMNS)
         + f"<td>{r['num_images']}</td></tr>" for r in rows)
-    cpu = " ".join(filter(None, (platform.machine(), platform.processor())))
-    machine = html.escape(f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>zoo report</title>
 <style>body{{font-family:sans-serif;margin:1.5em;max-width:1400px}}table{{border-collapse:collapse;margin:1em 0}}
@@ -143,7 +153,7 @@ td,th{{border:1px solid #bbb;padding:3px 8px;text-align:right}}td:first-child{{t
 img{{max-width:100%;display:block;margin:0.5em 0}}</style></head><body>
 <h1>Models side by side</h1>
 <p>Accuracy on the test split (fractions; TTA: the mean of the image's and its mirror's logits), parameters,
-forward FLOPs per image, and throughput measured briefly on this machine ({machine}).</p>
+forward FLOPs per image, and throughput measured briefly on this machine ({html.escape(machine)}).</p>
 <table id="models"><tr><th>model</th>{head}</tr>{model_rows}</table>
 <h2>What the models look at</h2>
 <p>The same test images, the true class explained by each model's attention rollout and by its most faithful
