@@ -1,4 +1,4 @@
-"""The short recipe's ablation: the goal's command (``train.py --model hybrid_tiny --config
+"""The short recipe's ablation: the CPU recipe's command (``train.py --model hybrid_tiny --config
 configs/cpu_budget.yaml --max-time 00:00:10:00``) once per variant and seed, each variant the recipe with one
 technique switched off or swapped. Each run's test top-1 with test-time augmentation comes from its
 summary.json and without it from ``eval.py --checkpoint`` on the same weights, so the TTA row costs no run.

@@ -248,7 +248,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-STEPS = ("environment", "cuda_tests", "vit_tiny", "vit_tiny_step", "speedrun", "suite")  # the goals first
+STEPS = ("environment", "cuda_tests", "vit_tiny", "vit_tiny_step", "speedrun", "suite")  # the targets first
 
 
 def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = False, skip=(),

@@ -147,7 +147,7 @@ def _row(rows: list[dict], n: int, window: int, mode: str) -> dict:
 
 
 def sparse_claims(rows: list[dict], n: int = 4096, window: int = 64) -> list[dict]:
-    """The sparse backends' targets as claim rows (measured ratio; the goal in the claim's words), where the rows hold
+    """The sparse backends' targets as claim rows (measured ratio; the target in the claim's words), where the rows hold
     what they need: flex inference and "auto" training against masked SDPA, training memory against dense,
     and the growth of the banded path's time and memory over N."""
     claims = []
