@@ -175,3 +175,10 @@ def test_command_line_quotes_arguments_and_keeps_the_bf16_switch(monkeypatch):
         "python -m zoo.bench.modes --models vit_nano --set 'a b'"
     monkeypatch.setenv("ZOO_NATIVE_BF16", "0")
     assert results.command_line("zoo.bench.muon", []) == "ZOO_NATIVE_BF16=0 python -m zoo.bench.muon"
+
+
+def test_a_recorded_command_names_placeholders_not_the_machines_folders(monkeypatch):
+    monkeypatch.delenv("ZOO_NATIVE_BF16", raising=False)
+    argv = ["--data-dir", "/home/me/cifar10", "--out=/tmp/x y", "--seeds", "0", "--cache-dir", "c", "--set", "out=1"]
+    assert results.command_line("zoo.bench.ablation", argv) == (
+        "python -m zoo.bench.ablation --data-dir DATA --out=OUT --seeds 0 --cache-dir CACHE --set out=1")

@@ -112,14 +112,25 @@ def versions() -> dict:
             "lightning": lightning_version, "zoo": f"{zoo_version} (git {commit})" if commit else zoo_version}
 
 
+# path flags whose values are written as placeholders: a record names no folder of the machine it ran on
+PATH_PLACEHOLDERS = {"--data-dir": "DATA", "--out": "OUT", "--cache-dir": "CACHE"}
+
+
 def command_line(module: str, argv=None) -> str:
     """How this command was run, for a record: ``python -m MODULE ARGS`` (``argv`` or the process's arguments),
-    each argument quoted only where the shell needs it."""
+    each argument quoted only where the shell needs it and each path of ``PATH_PLACEHOLDERS`` as its placeholder."""
     import shlex
 
-    args = sys.argv[1:] if argv is None else list(argv)
+    args, shown = [str(a) for a in (sys.argv[1:] if argv is None else argv)], []
+    for i, arg in enumerate(args):
+        flag, sep, _ = arg.partition("=")
+        if sep and flag in PATH_PLACEHOLDERS:
+            arg = f"{flag}={PATH_PLACEHOLDERS[flag]}"
+        elif i and args[i - 1] in PATH_PLACEHOLDERS:
+            arg = PATH_PLACEHOLDERS[args[i - 1]]
+        shown.append(arg)
     env = " ".join(f"{k}={os.environ[k]}" for k in ("ZOO_NATIVE_BF16",) if k in os.environ)
-    return " ".join(x for x in (env, f"python -m {module}", shlex.join(str(a) for a in args)) if x)
+    return " ".join(x for x in (env, f"python -m {module}", shlex.join(shown)) if x)
 
 
 def validate(result: dict, where: str = "result") -> dict:
