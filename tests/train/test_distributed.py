@@ -330,18 +330,23 @@ def missing():
     if os.environ["GROUP_RANK"] == "1":
         raise ValueError("no CIFAR-10 in DATA on this machine")
     return "ok"
+def unreadable():
+    if os.environ["RANK"] == "2":
+        raise OSError("the cache cannot be read")
+    return "ok"
 print(rank_zero_first(build))
-try:
-    rank_zero_first(missing)
-except ValueError as err:
-    print(f"ValueError: {err}")
+for make in (missing, unreadable):
+    try:
+        rank_zero_first(make)
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"{type(err).__name__}: {err}")
 """
 
 
 def test_each_machine_builds_its_data_once_and_a_failed_build_stops_every_rank(tmp_path):
     """Three torchrun processes on two machines without a shared disk (rank 0 alone, ranks 1 and 2 together): rank 0
     builds, then the first process of the other machine, then the rest, which find its copy; a ValueError on the
-    second machine reaches every rank instead of leaving them waiting."""
+    second machine, or an OSError on the last rank, reaches every rank instead of leaving them waiting."""
     port = str(free_port())
     machines = [(0, 0, 1), (1, 0, 2), (1, 1, 2)]  # per rank: machine, local rank, processes on that machine
     procs = [subprocess.Popen([sys.executable, "-c", NODE_FIRST], cwd=tmp_path, stdout=subprocess.PIPE,
@@ -351,8 +356,8 @@ def test_each_machine_builds_its_data_once_and_a_failed_build_stops_every_rank(t
                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for rank, (machine, local, size) in enumerate(machines)]
     outs = [p.communicate(timeout=120) for p in procs]
+    missing, unreadable = "ValueError: no CIFAR-10 in DATA on this machine", "OSError: the cache cannot be read"
+    told = "RuntimeError: another rank failed: " + unreadable
     assert [out.strip().splitlines() for out, _ in outs] == [
-        ["built", "ValueError: no CIFAR-10 in DATA on this machine"],
-        ["built", "ValueError: no CIFAR-10 in DATA on this machine"],
-        ["found", "ValueError: no CIFAR-10 in DATA on this machine"]], [err[-2000:] for _, err in outs]
+        ["built", missing, told], ["built", missing, told], ["found", missing, unreadable]], [e[-999:] for _, e in outs]
     assert [(tmp_path / f"machine{m}" / "builds").read_text().count("build") for m in (0, 1)] == [1, 1]

@@ -118,22 +118,29 @@ def rank_zero_first(make: Callable[[], T]) -> T:
     rank, any other exception as a RuntimeError naming it. ``make()`` alone when no process group is open."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return make()
-    made, failure = [], None
+    made = []
     on_rank_zero(lambda: made.append(make()))
-    if not made and local_rank() == 0:
-        try:
-            made.append(make())
-        except Exception as err:  # noqa: BLE001 (raised here as it was, and told to every other rank)
-            failure = err
+    for first_of_machine in (True, False):
+        failure = None
+        if not made and (local_rank() == 0) == first_of_machine:
+            try:
+                made.append(make())
+            except Exception as err:  # noqa: BLE001 (raised here as it was, and told to every other rank)
+                failure = err
+        _raise_on_every_rank(failure)
+    return made[0]
+
+
+def _raise_on_every_rank(failure: Exception | None) -> None:
+    """A collective: ``failure`` raised on its own rank, and (a ValueError with its message, else a RuntimeError
+    naming it) on every other one; nothing where no rank failed. No rank waits for one that failed."""
     told: list = [None] * torch.distributed.get_world_size()
     summary = None if failure is None else (isinstance(failure, ValueError), type(failure).__name__, str(failure))
-    torch.distributed.all_gather_object(told, summary)  # no rank waits for a machine whose build failed
+    torch.distributed.all_gather_object(told, summary)
     if failure is not None:
         raise failure
     for is_value_error, kind, message in filter(None, told):
-        raise ValueError(message) if is_value_error else RuntimeError(f"a machine's first process failed: {kind}: "
-                                                                      f"{message}")
-    return made[0] if made else make()
+        raise ValueError(message) if is_value_error else RuntimeError(f"another rank failed: {kind}: {message}")
 
 
 class GlobalBatchShard(DistributedSampler):
