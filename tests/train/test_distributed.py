@@ -357,7 +357,7 @@ def test_each_machine_builds_its_data_once_and_a_failed_build_stops_every_rank(t
              for rank, (machine, local, size) in enumerate(machines)]
     outs = [p.communicate(timeout=120) for p in procs]
     missing, unreadable = "ValueError: no CIFAR-10 in DATA on this machine", "OSError: the cache cannot be read"
-    told = "RuntimeError: another rank failed: " + unreadable
+    told = "RuntimeError: rank 2 failed: " + unreadable
     assert [out.strip().splitlines() for out, _ in outs] == [
         ["built", missing, told], ["built", missing, told], ["found", missing, unreadable]], [e[-999:] for _, e in outs]
     assert [(tmp_path / f"machine{m}" / "builds").read_text().count("build") for m in (0, 1)] == [1, 1]

@@ -84,25 +84,18 @@ def is_global_zero() -> bool:
 
 def on_rank_zero(choose: Callable[[], T]) -> T:
     """``choose()`` on rank 0 and its result on every rank of the open process group (``choose()`` alone when none
-    is open). A ValueError on rank 0 is raised, with its message, on every rank; any other exception is raised
-    on rank 0 and, as a RuntimeError naming it, on the others: no rank waits for one that failed."""
+    is open). A failure on rank 0 reaches every rank (``_raise_on_every_rank``): no rank waits for one that failed."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return choose()
-    message, failure = [None], None
+    chosen, failure = [None], None
     if torch.distributed.get_rank() == 0:
         try:
-            message = [("ok", choose())]
-        except ValueError as err:
-            message = [("error", str(err))]
-        except Exception as err:  # noqa: BLE001 (told to the other ranks, then raised here as it was)
-            message, failure = [("failed", f"{type(err).__name__}: {err}")], err
-    torch.distributed.broadcast_object_list(message, src=0)
-    kind, value = message[0]
-    if kind == "error":
-        raise ValueError(value)
-    if kind == "failed":
-        raise failure if failure is not None else RuntimeError(f"rank 0 failed: {value}")
-    return value
+            chosen = [choose()]
+        except Exception as err:  # noqa: BLE001 (raised here as it was, and told to every other rank)
+            failure = err
+    _raise_on_every_rank(failure)
+    torch.distributed.broadcast_object_list(chosen, src=0)
+    return chosen[0]
 
 
 def local_rank() -> int:
@@ -114,15 +107,14 @@ def local_rank() -> int:
 def rank_zero_first(make: Callable[[], T]) -> T:
     """``make()`` on rank 0, then on the first process of every other machine, then on the other ranks: each finds
     what the one before it built (a data cache, say), and a machine that does not share rank 0's file system builds
-    its own copy once, not once per process. A ValueError raised in ``make()`` is raised, with its message, on every
-    rank, any other exception as a RuntimeError naming it. ``make()`` alone when no process group is open."""
+    its own copy once, not once per process. A failure in ``make()`` reaches every rank (``_raise_on_every_rank``).
+    ``make()`` alone when no process group is open."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return make()
     made = []
-    on_rank_zero(lambda: made.append(make()))
-    for first_of_machine in (True, False):
+    for my_turn in (torch.distributed.get_rank() == 0, local_rank() == 0, True):
         failure = None
-        if not made and (local_rank() == 0) == first_of_machine:
+        if my_turn and not made:
             try:
                 made.append(make())
             except Exception as err:  # noqa: BLE001 (raised here as it was, and told to every other rank)
@@ -132,15 +124,17 @@ def rank_zero_first(make: Callable[[], T]) -> T:
 
 
 def _raise_on_every_rank(failure: Exception | None) -> None:
-    """A collective: ``failure`` raised on its own rank, and (a ValueError with its message, else a RuntimeError
-    naming it) on every other one; nothing where no rank failed. No rank waits for one that failed."""
+    """A collective: ``failure`` raised on its own rank and, on every other one, a ValueError with its message
+    (a ValueError) or a RuntimeError naming the rank and the exception (anything else); nothing where no rank
+    failed."""
     told: list = [None] * torch.distributed.get_world_size()
-    summary = None if failure is None else (isinstance(failure, ValueError), type(failure).__name__, str(failure))
+    summary = None if failure is None else (isinstance(failure, ValueError), f"{type(failure).__name__}: {failure}",
+                                            str(failure), torch.distributed.get_rank())
     torch.distributed.all_gather_object(told, summary)
     if failure is not None:
         raise failure
-    for is_value_error, kind, message in filter(None, told):
-        raise ValueError(message) if is_value_error else RuntimeError(f"another rank failed: {kind}: {message}")
+    for is_value_error, named, message, rank in filter(None, told):
+        raise ValueError(message) if is_value_error else RuntimeError(f"rank {rank} failed: {named}")
 
 
 class GlobalBatchShard(DistributedSampler):
