@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import zoo
 from zoo.bench.dispatch import OpRecorder
@@ -240,3 +242,39 @@ def test_a_grad_scaler_step_on_an_overflow_leaves_weights_and_state_as_they_were
         for field, value in saved.items():
             torch.testing.assert_close(optimizer.state_dict()["state"][key][field], value, rtol=0, atol=0,
                                        msg=f"{key}.{field}")
+
+
+class _LargestNewTensor(TorchDispatchMode):
+    """The size in bytes of the largest tensor an op returns in memory none of its arguments hold."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def test_steps_reuse_the_iteration_buffers_and_match_fresh_ones():
+    torch.manual_seed(4)
+    starts = [torch.randn(24, 40) for _ in range(4)] + [torch.randn(40, 24) for _ in range(4)]  # one wide shape
+    reused, fresh = ([torch.nn.Parameter(s.clone()) for s in starts] for _ in range(2))
+    steady = FilterMuon([{"params": reused, "weight_decay": 0.05}], lr=0.02)
+    allocating = FilterMuon([{"params": fresh, "weight_decay": 0.05}], lr=0.02)
+    allocating._workspace = None  # newton_schulz then allocates its stack and products afresh at every step
+    sizes = []
+    for seed in range(3):
+        for p, q in zip(reused, fresh, strict=True):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+            q.grad = p.grad.clone()
+        with _LargestNewTensor() as new:
+            steady.step()
+        sizes.append(new.largest)
+        allocating.step()
+    stack = 8 * 24 * 40 * 2  # the eight matrices stacked in bf16
+    assert sizes[0] >= stack and max(sizes[1:]) < stack, sizes  # the first step makes the buffers, later ones reuse
+    for p, q in zip(reused, fresh, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -83,22 +83,43 @@ def _matrix(tensor: torch.Tensor, like: torch.Tensor, view: bool) -> torch.Tenso
 MUON_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def newton_schulz(updates: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float,
-                  dtype: torch.dtype) -> torch.Tensor:
+def newton_schulz(updates, steps: int, coefficients: tuple[float, float, float], eps: float,
+                  dtype: torch.dtype, workspace: dict | None = None) -> torch.Tensor:
     """Muon's quintic Newton-Schulz iteration (Keller Jordan's coefficients, as torch's Muon) on a stack of
-    same-shape matrices ``(k, m, n)`` at once, computed in ``dtype``: each matrix is scaled to Frobenius norm 1,
-    then ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, ``steps`` times, on the wide orientation (a tall
-    stack is iterated as its transpose). Returns ``(k, m, n)`` in ``dtype``: ~ U S' V^T of each input."""
+    same-shape matrices ``(k, m, n)`` (or a sequence of k ``(m, n)`` matrices) at once, computed in ``dtype``: each
+    matrix is scaled to Frobenius norm 1, then ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, ``steps`` times, on
+    the wide orientation (a tall stack is iterated as its transpose). Returns ``(k, m, n)`` in ``dtype``: ~ U S' V^T
+    of each input. With ``workspace`` (a dict kept between calls) the buffers are reused and the result lives in
+    it until the next call with the same shapes."""
     a, b, c = coefficients
-    x = updates.to(dtype)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    first = updates[0]
+    tall = first.size(-2) > first.size(-1)
+    wide = [matrix.mT if tall else matrix for matrix in updates]
+    shape, device = (len(wide), *wide[0].shape), first.device
+    m = shape[1]
+    x, spare, gram, poly = (_buffer(workspace, name, size, dtype, device) for name, size in
+                            (("x", shape), ("spare", shape), ("gram", (shape[0], m, m)), ("poly", (shape[0], m, m))))
+    torch.stack(wide, out=x)  # the cast to dtype happens in the copy
+    x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_(min=eps))
     for _ in range(steps):
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        torch.bmm(x, x.mT, out=gram)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        torch.baddbmm(x, poly, x, beta=a, out=spare)
+        x, spare = spare, x
     return x.mT if tall else x
+
+
+def _buffer(workspace: dict | None, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """A buffer of ``workspace`` reused from call to call: on a CPU, memory freshly taken from the system costs a
+    page fault per 4 KiB on first touch, which made the iteration's copies and divisions cost as much as its
+    matmuls when every step allocated new stacks."""
+    if workspace is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (name, shape, dtype, device)
+    if key not in workspace:
+        workspace[key] = torch.empty(shape, dtype=dtype, device=device)
+    return workspace[key]
 
 
 def _wide(matrix: torch.Tensor) -> torch.Tensor:
@@ -122,6 +143,7 @@ class FilterMuon(torch.optim.Muon):
         if ns_dtype not in MUON_DTYPES.values():
             raise ValueError(f"ns_dtype must be torch.float32 or torch.bfloat16, got {ns_dtype!r}")
         self.ns_dtype = ns_dtype  # not a group setting: a checkpoint resumed elsewhere takes the new device's
+        self._workspace: dict = {}  # newton_schulz's buffers, reused step after step (not state: never saved)
         torch.optim.Optimizer.__init__(self, params, defaults)
 
     def _init_group(self, group, params_with_grad, grads, muon_momentum_bufs) -> bool:
@@ -163,8 +185,8 @@ class FilterMuon(torch.optim.Muon):
             for i, update in enumerate(updates):
                 by_shape.setdefault(tuple(_wide(update).shape), []).append(i)
             for members in by_shape.values():
-                ortho = newton_schulz(torch.stack([_wide(updates[i]) for i in members]), group["ns_steps"],
-                                      group["ns_coefficients"], group["eps"], self.ns_dtype)
+                ortho = newton_schulz([_wide(updates[i]) for i in members], group["ns_steps"],
+                                      group["ns_coefficients"], group["eps"], self.ns_dtype, self._workspace)
                 for i, matrix in zip(members, ortho.unbind(0), strict=True):
                     rate = _adjust_lr(lr, group["adjust_lr_fn"], params[i].shape)
                     _wide(params[i]).add_(matrix if found_inf is None else matrix * keep, alpha=-rate)
