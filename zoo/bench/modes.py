@@ -26,6 +26,7 @@ from torch import nn
 
 from ..models import compile_regions, create_model
 from ..train.device import cpu_has_native_bf16, machine_name, resolve_muon_dtype
+from ..train.host_memory import keep_freed_memory
 from ..train.module import compiled_train_loss
 from ..train.optim import OPTIMIZERS, build_optimizer, param_groups
 from ..train.probes import optimizer_step_seconds
@@ -173,11 +174,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--results", metavar="DIR", help="also record the measurement in DIR (results/) for the report")
     args = p.parse_args(argv)
+    kept = keep_freed_memory()  # as fit() runs training
     rows = bench_modes(args.models, args.batch, args.repeats, ("fp32", *(m for m in args.modes if m != "fp32")))
     optimizer_rows = [row for name in args.models if args.optimizers
                       for row in optimizer_costs(name, args.optimizers, args.batch, args.repeats)]
     result = {"machine": machine_name(), "native_bf16": cpu_has_native_bf16(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "rows": rows, "optimizer_rows": optimizer_rows}
+              "keep_freed_memory": kept, "torch": torch.__version__, "rows": rows, "optimizer_rows": optimizer_rows}
     print_result(result, args.out)
     if args.results:
         for record in results_records(rows, optimizer_rows, command_line("zoo.bench.modes", argv)):

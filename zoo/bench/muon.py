@@ -15,6 +15,7 @@ import torch
 
 from ..models import create_model
 from ..train.device import interleaved_medians, machine_name
+from ..train.host_memory import keep_freed_memory
 from ..train.optim import FilterMuon, muon_split, param_groups
 from . import results
 from .results import command_line
@@ -63,12 +64,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--results", metavar="DIR", help="also record the measurement in DIR (results/) for the report")
     args = p.parse_args(argv)
+    kept = keep_freed_memory()  # as fit() runs training
     result = {"machine": machine_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "rows": [bench_muon(name, args.repeats) for name in args.models]}
+              "keep_freed_memory": kept, "rows": [bench_muon(name, args.repeats) for name in args.models]}
     print_result(result, args.out)
     if args.results:
         record = results.make("muon", "One Muon step over a model's matrices: torch's loop against the zoo's batched "
-                              "iteration", command_line("zoo.bench.muon", argv), {"rows": result["rows"]})
+                              "iteration", command_line("zoo.bench.muon", argv),
+                              {"rows": result["rows"], "keep_freed_memory": kept})
         print(results.write(record, args.results))
     return 0
 

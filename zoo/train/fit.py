@@ -53,6 +53,7 @@ from .distributed import (
     split_batch,
 )
 from .forecast import RunForecast
+from .host_memory import keep_freed_memory
 from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
 from .preemption import PreemptionCheckpoint, RandomStates
@@ -114,6 +115,7 @@ def fit(recipe: Recipe) -> Path:
     ("auto" or a run directory / checkpoint) the run continues where its last.ckpt ends, once its model, model
     arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
     quiet_libraries()
+    keep_freed_memory()  # before the precision probe, which times steps as training will run them
     plan, dm = plan_run(recipe)
     # the run directory is held by one process: a second one resuming it stops here in one line, before it
     # rewrites anything (a run refused earlier, for other data or another model, touched nothing)
