@@ -184,3 +184,14 @@ def test_records_of_one_machine_date_and_columns_share_a_table():
     assert "a: `m`, d1. Command: `cmd a`  \nb: `m`, d1. Command: `cmd b`" in lines
     shared = lines.index("| `vit_nano` | 0.5 |")
     assert lines[shared + 1] == "| `vit_nano` | 0.75 |" and lines[-1] == "a note"
+
+
+def test_a_superseded_measurement_stays_in_results_but_leaves_the_report(committed):
+    muon = [r for r in committed if r["kind"] == "muon" and not r.get("superseded")]
+    old = json.loads(json.dumps(muon[0]))
+    old["date"], old["superseded"] = "1999-01-01", "the code changed since"
+    assert report_tables.records_of([*muon, old], "muon") == muon
+    text = report.render_benchmarks([*committed, old])
+    assert "1999-01-01" not in text
+    count = sum(1 for r in committed if r.get("superseded")) + 1
+    assert f" {count} measurements of code that has changed since stay in `results/`" in text

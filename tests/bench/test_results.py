@@ -182,3 +182,10 @@ def test_a_recorded_command_names_placeholders_not_the_machines_folders(monkeypa
     argv = ["--data-dir", "/home/me/cifar10", "--out=/tmp/x y", "--seeds", "0", "--cache-dir", "c", "--set", "out=1"]
     assert results.command_line("zoo.bench.ablation", argv) == (
         "python -m zoo.bench.ablation --data-dir DATA --out=OUT --seeds 0 --cache-dir CACHE --set out=1")
+
+
+def test_significant_rounds_every_float_to_four_digits_and_leaves_the_rest():
+    numbers = {"rows": [{"model": "vit_tiny", "fp32": 281.7199415348926, "steps": 2601, "ok": True,
+                         "ci": [0.2919876, 0.00012345678]}], "note": None}
+    assert results.significant(numbers) == {"rows": [{"model": "vit_tiny", "fp32": 281.7, "steps": 2601, "ok": True,
+                                                      "ci": [0.292, 0.0001235]}], "note": None}

@@ -150,7 +150,7 @@ def results_records(rows: list[dict], optimizer_rows: list[dict], command: str) 
                    k.startswith("infer")}, **{k: v for k, v in r.items() if k.endswith(("_compile_s", "_vs_fp32"))}}
                for r in rows]
     records = [results.make("modes", "Training and inference images/s per way of running", command,
-                            {"rows": renamed})]
+                            {"rows": results.significant(renamed)})]
     pivot: dict[tuple, dict] = {}
     for r in optimizer_rows:
         key = (r["model"], r["precision"], r["muon_dtype"])
@@ -158,7 +158,7 @@ def results_records(rows: list[dict], optimizer_rows: list[dict], command: str) 
             f"{r['optimizer']}_vs_adamw"] = r["vs_adamw"]
     if pivot:
         records.append(results.make("optimizer_cost", "A training step with each optimizer against AdamW", command,
-                                    {"rows": list(pivot.values())}))
+                                    {"rows": results.significant(list(pivot.values()))}))
     return records
 
 

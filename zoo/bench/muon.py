@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     if args.results:
         record = results.make("muon", "One Muon step over a model's matrices: torch's loop against the zoo's batched "
                               "iteration", command_line("zoo.bench.muon", argv),
-                              {"rows": result["rows"], "keep_freed_memory": kept})
+                              {"rows": results.significant(result["rows"]), "keep_freed_memory": kept})
         print(results.write(record, args.results))
     return 0
 

@@ -40,6 +40,7 @@ README_BEGIN = "<!-- results table: written by `python -m zoo.bench.report` from
 README_END = "<!-- end of results table -->"
 
 def render_benchmarks(results: list[dict]) -> str:
+    superseded = sum(1 for r in results if r.get("superseded"))
     sections = [machines_section, accuracy_section, shipped_section, modes_section,
                 optimizer_section, suite_section, sparse_section, faithfulness_section, gpu_section]
     out = ["# Benchmarks", "",
@@ -47,7 +48,9 @@ def render_benchmarks(results: list[dict]) -> str:
            "file per measurement with its machine, command, versions and date; do not edit by hand. Timings are "
            "medians of repeats after warm-up, the candidates of a table interleaved repeat by repeat "
            "(`zoo.bench.interleaved_medians`). `DATA` is a CIFAR-10 folder (`train/<class>/*.jpg`, "
-           "`test/<class>/*.jpg`)."]
+           "`test/<class>/*.jpg`)."
+           + (f" {superseded} measurements of code that has changed since stay in `results/` (`superseded`), out of "
+              "these tables." if superseded else "")]
     for section in sections:
         lines = section(results)
         if lines:

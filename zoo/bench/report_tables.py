@@ -58,7 +58,8 @@ def minutes(budget: str) -> float:
 
 
 def records_of(results: list[dict], kind: str) -> list[dict]:
-    return [r for r in results if r["kind"] == kind]
+    """The records of ``kind`` but those marked ``superseded`` (a measurement of code that has changed since)."""
+    return [r for r in results if r["kind"] == kind and not r.get("superseded")]
 
 
 def _model_order(name: str) -> tuple:

@@ -164,6 +164,16 @@ def validate(result: dict, where: str = "result") -> dict:
     return result
 
 
+def significant(value, digits: int = 4):
+    """``value`` with every float in it (through dicts and lists) rounded to ``digits`` significant digits: timings
+    carry a few per cent of noise, so a record keeps no more digits than that."""
+    if isinstance(value, dict):
+        return {k: significant(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [significant(v, digits) for v in value]
+    return float(f"{value:.{digits}g}") if isinstance(value, float) else value
+
+
 def make(kind: str, title: str, command: str, numbers: dict, *, note: str | None = None,
          machine: dict | None = None, date: str | None = None) -> dict:
     """A validated record of a measurement made now, on this machine (or the ``machine`` / ``date`` given)."""

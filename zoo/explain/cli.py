@@ -82,10 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from zoo.train.host_memory import keep_freed_memory
     from zoo.train.quiet import zoo_warnings_in_one_line
 
     line_buffered_output()
     zoo_warnings_in_one_line("eval.py")
+    keep_freed_memory()  # each batch reuses the pages the last one freed
     args = parse_or_exit_code(parse_args, argv)
     if isinstance(args, int):
         return args
