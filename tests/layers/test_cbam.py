@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import torchvision
 from timm.models import resnet as timm_resnet
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.models import resnet as tv_resnet
 
 import zoo
@@ -206,3 +207,38 @@ def test_add_cbam_twice_raises():
     model = zoo.add_cbam(torchvision.models.resnet18(weights=None))
     with pytest.raises(ValueError, match="already"):
         zoo.add_cbam(model)
+
+
+class _GradientSums(TorchDispatchMode):
+    """For every 4-D ``add`` autograd makes: whether its two operands are laid out alike (the same strides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alike = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in ("aten::add", "aten::add_") and all(
+                isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[2] * a.shape[3] > 1 for a in args[:2]):
+            self.alike.append(args[0].stride() == args[1].stride())
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_channels_last_input_gets_its_gradient_in_one_layout_from_every_branch():
+    """The CBAM input's gradient is summed over its branches (the product with the gates, their means and maxima):
+    each branch's part in the input's channels-last layout, so no sum is a strided add of two layouts; the values
+    equal those of the same input stored NCHW."""
+    torch.manual_seed(0)
+    cbam = zoo.CBAM(32, reduction=4)
+    x = torch.randn(4, 32, 8, 8)
+    grads, outputs = [], []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        leaf = x.clone().contiguous(memory_format=layout).requires_grad_()
+        cbam.to(memory_format=layout)  # as a channels-last model converts its convs
+        y = cbam(leaf * 1.0)  # a non-leaf input, whose branches' gradients autograd adds up
+        with _GradientSums() as sums:
+            y.backward(torch.ones_like(y))
+        outputs.append(y.detach())
+        grads.append(leaf.grad)
+    assert sums.alike and all(sums.alike), sums.alike
+    torch.testing.assert_close(outputs[1], outputs[0])
+    torch.testing.assert_close(grads[1], grads[0])

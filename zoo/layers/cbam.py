@@ -39,18 +39,43 @@ def _check_image(x, channels: int | None = None) -> None:
                          f"got {tuple(x.shape)} ({x.shape[1]} channels)")
 
 
-def _channel_max(x: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, 1, H, W) maximum over channels, through ``max``'s indices rather than ``amax``: their
-    backward routes the gradient to the selected element instead of comparing the input with the maximum again.
-    Under torch.compile with bf16 autocast that comparison can find no equal element (the input recomputed at
-    another precision than the saved maximum) and divide by zero: NaN gradients (torch 2.14, CPU inductor)."""
-    return x.max(dim=1, keepdim=True).values
+def _stored_channels_last(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` (B, C, H, W) as its (B, H, W, C) view when it is stored channels-last, else None. Pooling that view
+    gives gradients in ``x``'s own layout; the pools of the NCHW view return NCHW-ordered ones, which made each of
+    autograd's sums with the gates' channels-last gradients a strided add (a tenth of an eager hybrid_tiny step on
+    a CPU). None under torch.compile too: inductor picks its own layouts (and fails on this view's symbolic strides
+    with dynamic shapes, torch 2.14)."""
+    if tracing() or torch.compiler.is_compiling() or x.dim() != 4 or x.is_contiguous() \
+            or not x.is_contiguous(memory_format=torch.channels_last):
+        return None
+    return x.permute(0, 2, 3, 1)
 
 
-def _spatial_max(x: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, C, 1, 1) maximum over positions, through ``max``'s indices as ``_channel_max`` (``amax``
-    over (H, W) gives NaN gradients the same way: whole-model torch.compile under bf16 autocast, CPU and CUDA)."""
-    return x.flatten(2).max(dim=2).values[..., None, None]
+def _channel_pools(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, 2, H, W): the mean and the maximum over channels, the maximum through ``max``'s indices
+    rather than ``amax``: their backward routes the gradient to the selected element instead of comparing the
+    input with the maximum again. Under torch.compile with bf16 autocast that comparison can find no equal element
+    (the input recomputed at another precision than the saved maximum) and divide by zero: NaN gradients (torch
+    2.14, CPU inductor)."""
+    last = _stored_channels_last(x)
+    if last is not None:
+        pools = [last.mean(dim=3, keepdim=True), last.max(dim=3, keepdim=True).values]
+        return torch.cat(pools, dim=3).permute(0, 3, 1, 2)
+    return torch.cat([x.mean(dim=1, keepdim=True), x.max(dim=1, keepdim=True).values], dim=1)
+
+
+def _spatial_pools(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, C, H, W) -> two (B, C, 1, 1): the mean and the maximum over positions, the maximum through ``max``'s
+    indices as in ``_channel_pools`` (``amax`` over (H, W) gives NaN gradients the same way: whole-model
+    torch.compile under bf16 autocast, CPU and CUDA)."""
+    last = _stored_channels_last(x)
+    if last is not None:
+        positions = last.flatten(1, 2)  # (B, H * W, C)
+        pools = positions.mean(dim=1), positions.max(dim=1).values
+    else:
+        positions = x.flatten(2)  # (B, C, H * W)
+        pools = positions.mean(dim=2), positions.max(dim=2).values
+    return pools[0][..., None, None], pools[1][..., None, None]
 
 
 class ChannelAttention(nn.Module):
@@ -70,9 +95,8 @@ class ChannelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_image(x, self.channels)
-        avg = self.fc2(self.act(self.fc1(x.mean(dim=(2, 3), keepdim=True))))
-        peak = self.fc2(self.act(self.fc1(_spatial_max(x))))
-        return x * torch.sigmoid(avg + peak)
+        mean, peak = _spatial_pools(x)
+        return x * torch.sigmoid(self.fc2(self.act(self.fc1(mean))) + self.fc2(self.act(self.fc1(peak))))
 
 
 class SpatialAttention(nn.Module):
@@ -91,8 +115,7 @@ class SpatialAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_image(x)
-        maps = torch.cat([x.mean(dim=1, keepdim=True), _channel_max(x)], dim=1)  # (B, 2, H, W)
-        gate = torch.sigmoid(self.conv(maps))  # (B, 1, H, W)
+        gate = torch.sigmoid(self.conv(_channel_pools(x)))  # (B, 1, H, W)
         if self.gate_hook is not None:
             self.gate_hook(gate)
         return x * gate
