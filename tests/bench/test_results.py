@@ -134,8 +134,9 @@ def test_modes_rows_become_one_column_per_mode():
              "fp32_img_s": 200.0, "bf16_true_img_s": 150.0, "bf16_true_vs_fp32": 0.75}]
     optimizer_rows = [{"model": "vit_nano", "precision": "32", "optimizer": o, "muon_dtype": "float32", "vs_adamw": v}
                       for o, v in (("adamw", 1.0), ("muon", 0.9))]
-    found, cost = modes.results_records(rows, optimizer_rows, "python -m zoo.bench.modes")
+    found, cost = modes.results_records(rows, optimizer_rows, "python -m zoo.bench.modes", keep_freed_memory=True)
     assert found["kind"] == "modes" and cost["kind"] == "optimizer_cost"
+    assert found["numbers"]["keep_freed_memory"] is cost["numbers"]["keep_freed_memory"] is True
     row = found["numbers"]["rows"][0]
     assert (row["fp32"], row["bf16_true"], row["inference_fp32"], row["inference_bf16_mixed"]) == (200, 150, 700, 900)
     assert cost["numbers"]["rows"] == [{"model": "vit_nano", "precision": "32", "muon_dtype": "float32",

@@ -140,17 +140,20 @@ def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch:
     return rows
 
 
-def results_records(rows: list[dict], optimizer_rows: list[dict], command: str) -> list[dict]:
+def results_records(rows: list[dict], optimizer_rows: list[dict], command: str,
+                    keep_freed_memory: bool | None = None) -> list[dict]:
     """``zoo.bench.results`` records of a run of this command: a "modes" record (per model, images/s per mode
     and for inference) and, with optimizer rows, an "optimizer_cost" record (per model and precision, each
-    optimizer's step speed against AdamW's)."""
+    optimizer's step speed against AdamW's); ``keep_freed_memory`` (whether the process kept freed host memory, as
+    training does) goes into both."""
+    kept = {} if keep_freed_memory is None else {"keep_freed_memory": keep_freed_memory}
     renamed = [{"model": r["model"], "batch": r["batch"], "inference_fp32": r["infer_img_s"],
                 "inference_bf16_mixed": r["infer_bf16_mixed_img_s"],
                 **{k.removesuffix("_img_s"): v for k, v in r.items() if k.endswith("_img_s") and not
                    k.startswith("infer")}, **{k: v for k, v in r.items() if k.endswith(("_compile_s", "_vs_fp32"))}}
                for r in rows]
     records = [results.make("modes", "Training and inference images/s per way of running", command,
-                            {"rows": results.significant(renamed)})]
+                            {"rows": results.significant(renamed), **kept})]
     pivot: dict[tuple, dict] = {}
     for r in optimizer_rows:
         key = (r["model"], r["precision"], r["muon_dtype"])
@@ -158,7 +161,7 @@ def results_records(rows: list[dict], optimizer_rows: list[dict], command: str) 
             f"{r['optimizer']}_vs_adamw"] = r["vs_adamw"]
     if pivot:
         records.append(results.make("optimizer_cost", "A training step with each optimizer against AdamW", command,
-                                    {"rows": results.significant(list(pivot.values()))}))
+                                    {"rows": results.significant(list(pivot.values())), **kept}))
     return records
 
 
@@ -182,7 +185,7 @@ def main(argv=None) -> int:
               "keep_freed_memory": kept, "torch": torch.__version__, "rows": rows, "optimizer_rows": optimizer_rows}
     print_result(result, args.out)
     if args.results:
-        for record in results_records(rows, optimizer_rows, command_line("zoo.bench.modes", argv)):
+        for record in results_records(rows, optimizer_rows, command_line("zoo.bench.modes", argv), kept):
             print(results.write(record, args.results))
     return 0
 
