@@ -2,7 +2,9 @@
 matrix, always in bf16) against the zoo's ``FilterMuon`` (one iteration per shape over every matrix of that shape or
 its transpose) in bf16 and in fp32, the steps interleaved (``interleaved_medians``). The speed-up of batching is the
 launch and kernel overhead a per-matrix loop pays: large on a GPU, smaller on a CPU, where the matmuls' FLOPs
-dominate.
+dominate. The floor is the iteration's matmul FLOPs at the bf16 matmul rate the device reaches
+(``zoo.bench.suite.gemm_peak_flops``): the time no exact Newton-Schulz in bf16 can beat there, so the loop's time over
+the floor bounds the speed-up any batching can give.
 
     python -m zoo.bench.muon --models vit_tiny hybrid_tiny --out muon.json
 """
@@ -10,6 +12,7 @@ dominate.
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -19,7 +22,21 @@ from ..train.host_memory import keep_freed_memory
 from ..train.optim import FilterMuon, muon_split, param_groups
 from . import results
 from .results import command_line
+from .suite import gemm_peak_flops
 from .timing import print_result
+
+NS_STEPS = 5  # torch's and FilterMuon's default
+
+
+def newton_schulz_flops(shapes, steps: int = NS_STEPS) -> int:
+    """Matmul FLOPs of ``steps`` Newton-Schulz iterations over matrices of ``shapes`` (a filter read as a matrix of
+    its first dimension by the rest; each taken as m x n with m <= n): per iteration the Gram matrix X Xᵀ (2m²n), its
+    square (2m³) and the product with the iterate (2m²n)."""
+    total = 0
+    for shape in shapes:
+        m, n = sorted((shape[0], math.prod(shape[1:])))
+        total += steps * (4 * m * m * n + 2 * m**3)
+    return total
 
 
 def muon_matrices(name: str, filters: bool = False) -> list[torch.Tensor]:
@@ -37,9 +54,10 @@ def muon_matrices(name: str, filters: bool = False) -> list[torch.Tensor]:
     return copies
 
 
-def bench_muon(name: str, repeats: int = 5) -> dict:
+def bench_muon(name: str, repeats: int = 5, peak_bf16_flops: float | None = None) -> dict:
     """Median milliseconds of one step over ``name``'s 2-D Muon matrices: torch's per-matrix loop (bf16) and the
-    batched step in bf16 and fp32; the ratios against the loop."""
+    batched step in bf16 and fp32; the ratios against the loop; the floor (the iteration's FLOPs at
+    ``peak_bf16_flops``, measured here when None) and the loop's time over it."""
     def torch_loop():
         params = muon_matrices(name)
         return torch.optim.Muon(params, lr=2e-3, weight_decay=0.05, momentum=0.95, nesterov=True,
@@ -49,12 +67,16 @@ def bench_muon(name: str, repeats: int = 5) -> dict:
         return FilterMuon([{"params": muon_matrices(name), "weight_decay": 0.05}], lr=2e-3, ns_dtype=dtype).step
 
     matrices = muon_matrices(name)
+    flops = newton_schulz_flops([p.shape for p in matrices])
+    floor = flops / (peak_bf16_flops or gemm_peak_flops(device="cpu", dtype=torch.bfloat16))
     seconds = interleaved_medians({"torch_loop_bf16": torch_loop(), "batched_bf16": batched(torch.bfloat16),
                                    "batched_fp32": batched(torch.float32)}, repeats=repeats)
     return {"model": name, "matrices": len(matrices), "shapes": len({tuple(p.shape) for p in matrices}),
             **{f"{k}_ms": 1000 * v for k, v in seconds.items()},
             "batched_bf16_speedup": seconds["torch_loop_bf16"] / seconds["batched_bf16"],
-            "batched_fp32_speedup": seconds["torch_loop_bf16"] / seconds["batched_fp32"]}
+            "batched_fp32_speedup": seconds["torch_loop_bf16"] / seconds["batched_fp32"],
+            "newton_schulz_gflop": flops / 1e9, "floor_bf16_ms": 1000 * floor,
+            "loop_vs_floor": seconds["torch_loop_bf16"] / floor}
 
 
 def main(argv=None) -> int:
@@ -65,13 +87,16 @@ def main(argv=None) -> int:
     p.add_argument("--results", metavar="DIR", help="also record the measurement in DIR (results/) for the report")
     args = p.parse_args(argv)
     kept = keep_freed_memory()  # as fit() runs training
+    peak = gemm_peak_flops(device="cpu", dtype=torch.bfloat16)
     result = {"machine": machine_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "keep_freed_memory": kept, "rows": [bench_muon(name, args.repeats) for name in args.models]}
+              "keep_freed_memory": kept, "peak_bf16_gflops": peak / 1e9,
+              "rows": [bench_muon(name, args.repeats, peak) for name in args.models]}
     print_result(result, args.out)
     if args.results:
         record = results.make("muon", "One Muon step over a model's matrices: torch's loop against the zoo's batched "
                               "iteration", command_line("zoo.bench.muon", argv),
-                              {"rows": results.significant(result["rows"]), "keep_freed_memory": kept})
+                              {"rows": results.significant(result["rows"]), "keep_freed_memory": kept,
+                               "peak_bf16_gflops": round(peak / 1e9, 1)})
         print(results.write(record, args.results))
     return 0
 

@@ -214,11 +214,14 @@ def optimizer_section(results: list[dict]) -> list[str]:
     cols = [("model", "model"), ("precision", "precision"), ("muon_dtype", "Muon's iteration"),
             ("muon_vs_adamw", "`muon` vs AdamW"), ("muon_conv_vs_adamw", "`muon_conv` vs AdamW"),
             ("matrices", "matrices"), ("shapes", "shapes"), ("torch_loop_bf16_ms", "torch's loop, bf16 ms"),
-            ("batched_bf16_ms", "batched, bf16 ms"), ("batched_fp32_ms", "batched, fp32 ms")]
+            ("batched_bf16_ms", "batched, bf16 ms"), ("batched_fp32_ms", "batched, fp32 ms"),
+            ("floor_bf16_ms", "floor, bf16 ms"), ("loop_vs_floor", "loop / floor")]
     return _rows_section(
         "What an optimizer step costs",
         "A training step's speed with Muon against AdamW (1.0 = as fast), and one Muon step over a model's "
-        "matrices: torch's loop against the zoo's iteration batched per shape.",
+        "matrices: torch's loop against the zoo's iteration batched per shape. *floor*: the iteration's matmul "
+        "FLOPs at the best bf16 matmul rate measured here, a time no exact batching can beat; *loop / floor* bounds "
+        "its speed-up.",
         sorted(records_of(results, "optimizer_cost") + records_of(results, "muon"),
                key=lambda r: (r["kind"], r["command"])), cols)
 
