@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from zoo.train.cli import OneLineParser, line_buffered_output, parse_or_exit_code
+from zoo.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,8 +95,7 @@ def main(argv=None) -> int:
     try:
         eval_device(args.device)  # a bad --device fails here, before the heavy imports and any work
     except ValueError as err:
-        print(f"eval.py: error: {err}", file=sys.stderr)
-        return 2
+        return error_line("eval.py", err)
     launched = one_device_under_launcher(args)
     if launched is not None:
         return launched
@@ -144,8 +142,7 @@ def main(argv=None) -> int:
                               benchmark=args.benchmark, precision=args.precision, device=args.device,
                               cache_dir=args.cache_dir)
     except (ValueError, OSError) as err:  # zoo.train.data.DataError is a ValueError
-        print(f"eval.py: error: {err}".splitlines()[0], file=sys.stderr)
-        return 2
+        return error_line("eval.py", err)
     from zoo.train.distributed import is_global_zero
 
     if not is_global_zero():

@@ -14,9 +14,10 @@ from .registry import (
     list_models,
     model_card,
     model_info,
+    models_table,
     register_model,
     shipped_models,
 )
 
 __all__ = ["check_model_args", "compile_regions", "create_model", "list_models", "load_pretrained", "load_run",
-           "load_shipped", "model_card", "model_info", "register_model", "shipped_models"]
+           "load_shipped", "model_card", "model_info", "models_table", "register_model", "shipped_models"]

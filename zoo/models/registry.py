@@ -187,3 +187,13 @@ def model_info(model: nn.Module, input_size: tuple[int, int, int] | None = None)
         counted(x)
     return {"params": params, "trainable_params": trainable, "flops": int(counter.get_total_flops()),
             "input_size": tuple(input_size)}
+
+
+def models_table() -> str:
+    """One line per registered model: name, parameters, forward FLOPs per 32x32 image, shipped weights or not."""
+    lines = [f"{'model':16} {'params':>12} {'FLOPs/image':>14}  weights"]
+    for name in list_models():
+        info = model_info(create_model(name))
+        lines.append(f"{name:16} {info['params']:>12,} {info['flops']:>14,}  "
+                     f"{'shipped' if name in shipped_models() else '-'}")
+    return "\n".join(lines)

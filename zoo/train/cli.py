@@ -13,15 +13,9 @@ import argparse
 import json
 import sys
 
+from zoo.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
+
 CLI_ONLY = ("config", "set", "list_models", "print_config")  # flags that are not recipe keys
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one line on stderr (and exit code 2), as every other user
-    error of the zoo's programs, instead of the usage block followed by the error."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _yaml_value(text: str):
@@ -66,39 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def list_models() -> str:
-    """One line per registered model: name, parameters, forward FLOPs per 32x32 image, shipped weights."""
-    from zoo.models import create_model, list_models, model_info, shipped_models
-
-    lines = [f"{'model':16} {'params':>12} {'FLOPs/image':>14}  weights"]
-    for name in list_models():
-        info = model_info(create_model(name))
-        shipped = "shipped" if name in shipped_models() else "-"
-        lines.append(f"{name:16} {info['params']:>12,} {info['flops']:>14,}  {shipped}")
-    return "\n".join(lines)
-
-
-def line_buffered_output() -> None:
-    """Each printed line goes out at once also when stdout is a pipe or a file (``| tee``, nohup, a SLURM log),
-    where Python would otherwise hold it in a block buffer until the run ends."""
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure") and not stream.isatty():
-            stream.reconfigure(line_buffering=True)
-
-
-def parse_or_exit_code(parse, argv) -> argparse.Namespace | int:
-    """``parse(argv)``, or the exit code argparse chose (2 for a bad command line, 0 for --help)."""
-    try:
-        return parse(argv)
-    except SystemExit as exit:
-        return exit.code if isinstance(exit.code, int) else 0
-
-
-def _error(err: Exception, code: int = 2) -> int:
-    print(f"train.py: error: {err}".splitlines()[0], file=sys.stderr)
-    return code
-
-
 def main(argv=None) -> int:
     from zoo.train.quiet import zoo_warnings_in_one_line
 
@@ -108,7 +69,9 @@ def main(argv=None) -> int:
     if isinstance(args, int):
         return args
     if args.list_models:
-        print(list_models())
+        from zoo.models import models_table
+
+        print(models_table())
         return 0
     from zoo.train.device import resolve_accelerator
     from zoo.train.loggers import require_loggers
@@ -123,7 +86,7 @@ def main(argv=None) -> int:
         resolve_accelerator(recipe.accelerator, recipe.devices)
         require_loggers(recipe.loggers)
     except ValueError as err:
-        return _error(err)
+        return error_line("train.py", err)
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from zoo.train.fit import fit
@@ -140,8 +103,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 130
     except (ValueError, MisconfigurationException) as err:  # user errors, DataError included
-        return _error(err)
+        return error_line("train.py", err)
     except NonFiniteLossError as err:
-        return _error(err, 1)
+        return error_line("train.py", err, 1)
     print(run_dir)
     return 0
