@@ -43,3 +43,9 @@ def test_optimizer_costs_are_shares_of_the_step(monkeypatch):
     for row in rows:
         assert row["optimizer_share"] == pytest.approx(row["optimizer_ms"] / row["step_ms"])
         assert 0 <= row["optimizer_share"] < 1  # the step is timed apart: never a negative cost
+
+
+def test_optimizer_costs_leave_out_an_optimizer_with_nothing_to_step(monkeypatch):
+    monkeypatch.setenv("ZOO_NATIVE_BF16", "0")
+    rows = optimizer_costs("resnet18", ("adamw", "muon", "muon_conv"), batch=2, repeats=1, precisions=("32",))
+    assert [r["optimizer"] for r in rows] == ["adamw", "muon_conv"]  # resnet18's weights but the head are filters

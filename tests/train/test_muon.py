@@ -66,6 +66,17 @@ def test_split_with_filters_adds_the_conv_filters():
     assert matrices < on_muon and sum(len(g["params"]) for g in muon + adamw) == len(list(model.parameters()))
 
 
+def test_muon_on_a_model_without_weight_matrices_names_the_optimizers_that_apply():
+    """A CNN's weights but its head are conv filters: muon has nothing to step (torch's Muon would refuse an empty
+    parameter list in its own words), muon_conv steps the filters."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 30 * 30, 10))
+    groups, head = param_groups(model, 2e-3, 0.05), {id(p) for p in model[2].parameters()}
+    with pytest.raises(ValueError, match="no weight matrix for Muon .* --optimizer muon_conv .* or adamw"):
+        build_optimizer("muon", groups, 2e-3, muon_exclude=head)
+    stepped = build_optimizer("muon_conv", groups, 2e-3, muon_exclude=head).muon.param_groups
+    assert [p for g in stepped for p in g["params"]] == [model[0].weight]
+
+
 def _filter_steps(weight, seeds, **kwargs):
     optimizer = FilterMuon([{"params": [weight], "weight_decay": 0.05}], lr=0.02, **kwargs)
     for seed in seeds:

@@ -114,7 +114,8 @@ def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch:
     ``optimizer_ms`` (the optimizer's step, timed apart: ``probes.optimizer_step_seconds``), ``optimizer_share`` (that
     over the whole step) and ``vs_adamw`` (AdamW's step time over this one's: the throughput a run keeps with it); the
     model in the memory format train.py uses, the steps interleaved. Muon's iteration runs in ``muon_dtype``, the
-    dtype a run picks on this machine."""
+    dtype a run picks on this machine. An optimizer with no tensor of the model to step (muon on conv filters only)
+    gets no row."""
     muon_dtype = resolve_muon_dtype("auto", "cpu")
     model = create_model(name)
     x = torch.randn(batch, 3, *_img_size(model))
@@ -128,6 +129,13 @@ def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch:
                                    muon_exclude=head, muon_dtype=muon_dtype)
         return make
 
+    def applies(optimizer: str) -> bool:  # muon on a model of conv filters only has no tensor to step
+        try:
+            return build(optimizer)(model) is not None
+        except ValueError:
+            return False
+
+    optimizers = [o for o in optimizers if applies(o)]
     candidates = {"none": lambda trained: _NoStep(), **{o: build(o) for o in dict.fromkeys(("adamw", *optimizers))}}
     rows = []
     for precision in precisions:

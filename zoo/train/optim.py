@@ -251,6 +251,9 @@ def build_optimizer(name: str, groups: list[dict], lr: float, *, momentum: float
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, fused=fused)
     if name in ("muon", "muon_conv"):
         split = muon_split(groups, muon_exclude, filters=name == "muon_conv")
+        if not split[0]:  # torch would fail later on an empty parameter list, in its own words
+            raise ValueError(f"optimizer {name} finds no weight matrix for Muon in this model (its weights are conv "
+                             "filters or the classifier's): use --optimizer muon_conv (filters too) or adamw")
         if muon_dtype not in MUON_DTYPES:
             raise ValueError(f"muon_dtype must be one of {tuple(MUON_DTYPES)}, got {muon_dtype!r}")
         return MuonAdamW(*split, lr, momentum=momentum, fused=fused, ns_dtype=MUON_DTYPES[muon_dtype])
