@@ -178,8 +178,8 @@ def shipped_section(results: list[dict]) -> list[str]:
 def _rows_section(title: str, intro: str, records: list[dict], columns: list[tuple[str, str]],
                   cell: Callable = num) -> list[str]:
     """A table per record under a line naming its machine, date and command. Consecutive records of one machine and
-    date with the same columns and note share one table (their lines one under the other); a note shared by
-    consecutive tables is printed once, after the last of them."""
+    date with the same columns and note share one table (their lines one under the other); a table's own note ends
+    its heading, a note shared by consecutive tables is printed once, after the last of them."""
     def present(r: dict) -> list[tuple[str, str]]:
         return [(k, h) for k, h in columns if any(k in row for row in r["numbers"]["rows"])]
 
@@ -188,13 +188,16 @@ def _rows_section(title: str, intro: str, records: list[dict], columns: list[tup
 
     groups = [list(group) for _, group in itertools.groupby(records, key)]
     out = [f"## {title}", "", intro]
+    notes = [g[0].get("note") for g in groups]
     for i, group in enumerate(groups):
-        cols, note = present(group[0]), group[0].get("note")
+        cols, note = present(group[0]), notes[i]
+        shared = note and note in (notes[i - 1] if i else None, notes[i + 1] if i + 1 < len(groups) else None)
         headings = [f"{r['title']}: `{r['machine']['id']}`, {r['date']}. Command: `{r['command']}`" for r in group]
+        headings[-1] += f". {note}" if note and not shared else ""
         out += ["", "  \n".join(headings), "",
                 *table([h for _, h in cols], [[cell(row.get(k)) if k != "model" else f"`{row[k]}`" for k, _ in cols]
                                               for r in group for row in r["numbers"]["rows"]])]
-        if note and (i + 1 == len(groups) or groups[i + 1][0].get("note") != note):
+        if shared and (i + 1 == len(groups) or notes[i + 1] != note):
             out += ["", note]
     return out
 
@@ -279,13 +282,13 @@ def sparse_section(results: list[dict]) -> list[str]:
                 f"Command: `{r['command']}`", "",
                 *table(["N", *present], [[num(row["n"]), *(cell(row.get(c)) for c in present)] for row in n["rows"]]),
                 ""]
-        if len(n["claims"]) == 1:  # one claim reads as a sentence
-            out.append(f"{n['claims'][0]['claim'][:1].upper()}{n['claims'][0]['claim'][1:]}: "
-                       f"{n['claims'][0]['measured']}.")
+        if len(n["claims"]) == 1:  # one claim reads as a sentence, the note in its paragraph
+            claim = n["claims"][0]
+            out.append(" ".join(x for x in (f"{claim['claim'][:1].upper()}{claim['claim'][1:]}: {claim['measured']}.",
+                                            r.get("note")) if x))
         else:
             out += table(["claim", "measured"], [[c["claim"], c["measured"]] for c in n["claims"]])
-        if r.get("note"):
-            out += ["", r["note"]]
+            out += ["", r["note"]] if r.get("note") else []
     return out
 
 
@@ -328,16 +331,18 @@ def faithfulness_section(results: list[dict]) -> list[str]:
                               num(row["deletion_p"]), num(row["deletion_p_rollout"]), num(row.get("deletion_p_base")),
                               _auc(row, "insertion", best_ins), num(row["insertion_p"]),
                               num(row["insertion_p_rollout"]), num(row.get("insertion_p_base"))])
-        note = f" {r['note']}." if r.get("note") else ""
-        heading = f"`{r['machine']['id']}`, {r['date']}; {r['numbers']['setting']}. Command: `{r['command']}`.{note}"
+        models = ", ".join(f"`{m}`" for m in dict.fromkeys(row["model"] for row in rows))
+        note = [f"{models}: {r['note']}."] if r.get("note") else []
         key = (r["machine"]["id"], r["date"], _board(r["numbers"]["setting"]))
         if boards and boards[-1][0] == key:  # the same measurement of another model: one table
-            boards[-1][1].append(heading)
-            boards[-1][2].extend(lines)
+            boards[-1][1].append(f"`{r['command']}`")
+            boards[-1][2].extend(note)
+            boards[-1][3].extend(lines)
         else:
-            boards.append((key, [heading], lines))
-    for _, headings, lines in boards:
-        out += ["", "  \n".join(headings), "",
+            boards.append((key, [f"`{r['command']}`"], note, lines, r["numbers"]["setting"]))
+    for (machine, date, _), commands, notes, lines, setting in boards:
+        out += ["", " ".join([f"`{machine}`, {date}; {setting}. Command{'s' * (len(commands) > 1)}: "
+                              f"{'; '.join(commands)}.", *notes]), "",
                 *table(["model", "method", "deletion", "p", "p_rollout", "p_base", "insertion", "p", "p_rollout",
                         "p_base"], lines)]
     return out
@@ -373,4 +378,4 @@ def machines_section(results: list[dict]) -> list[str]:
             *table(["machine", "CPU", "family / model", "avx512_bf16", "AMX", "cores / torch threads", "memory",
                     "GPU", "software"], rows),
             "", "A CPU with `avx512_bf16` or AMX computes bf16 natively; on one without, `--precision auto` is fp32. "
-            "Speeds differ between machines and drift between sessions on one: compare within a table."]
+            "Speeds differ between machines and drift from day to day on one: compare within a table."]
