@@ -43,6 +43,21 @@ def test_step_seconds_time_whole_steps_with_each_optimizer():
     assert all(p.grad is None for p in model.parameters())  # copies trained, not the model
 
 
+def test_a_model_of_conv_filters_is_measured_without_the_muon_it_cannot_step(tmp_path, monkeypatch):
+    """resnet18's weights but its head are filters: muon_conv's fallback muon has no matrix to step, so the probe
+    times muon_conv and AdamW only (building muon there raises NothingToStep)."""
+    timed = []
+
+    def scripted(model, x, optimizers, precision, repeats=3):
+        timed.append(tuple(optimizers))
+        return {"muon_conv": 1.5, "adamw": 1.0}
+
+    monkeypatch.setattr(probes, "optimizer_step_seconds", scripted)
+    recipe = probes.Recipe(model="resnet18", optimizer="muon_conv", optimizer_min_speed=0.9, batch_size=2,
+                           cache_dir=str(tmp_path))
+    assert probes.probe_optimizer(recipe, "32", "float32") == "adamw" and timed == [("muon_conv", "adamw")]
+
+
 def test_train_records_the_measured_optimizer_and_a_resumed_run_keeps_it(cifar_dir, tmp_path, capsys, monkeypatch):
     timed = []
 

@@ -29,7 +29,7 @@ from ..train.device import cpu_has_native_bf16, machine_name, resolve_muon_dtype
 from ..train.host_memory import keep_freed_memory
 from ..train.module import compiled_train_loss
 from ..train.optim import OPTIMIZERS, build_optimizer, param_groups
-from ..train.probes import optimizer_step_seconds
+from ..train.probes import applicable, optimizer_step_seconds
 from . import results
 from .results import command_line
 from .timing import interleaved_medians, measure_inference, print_result, training_step
@@ -129,14 +129,9 @@ def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch:
                                    muon_exclude=head, muon_dtype=muon_dtype)
         return make
 
-    def applies(optimizer: str) -> bool:  # muon on a model of conv filters only has no tensor to step
-        try:
-            return build(optimizer)(model) is not None
-        except ValueError:
-            return False
-
-    optimizers = [o for o in optimizers if applies(o)]
-    candidates = {"none": lambda trained: _NoStep(), **{o: build(o) for o in dict.fromkeys(("adamw", *optimizers))}}
+    builds = applicable({o: build(o) for o in dict.fromkeys(("adamw", *optimizers))}, model)
+    optimizers = [o for o in optimizers if o in builds]
+    candidates = {"none": lambda trained: _NoStep(), **builds}
     rows = []
     for precision in precisions:
         seconds = optimizer_step_seconds(model, x, candidates, precision, repeats=repeats)

@@ -239,12 +239,17 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
 
+class NothingToStep(ValueError):
+    """A Muon optimizer asked of a model with no tensor of the kind it steps (muon: weight matrices)."""
+
+
 def build_optimizer(name: str, groups: list[dict], lr: float, *, momentum: float = 0.9,
                     fused: bool = False, muon_exclude: set[int] = frozenset(),
                     muon_dtype: str = "bfloat16") -> torch.optim.Optimizer:
     """AdamW (torch's defaults otherwise), SGD with Nesterov ``momentum``, or ``MuonAdamW`` (the 2-D
     weights not in ``muon_exclude`` on Muon; ``muon_conv``: the conv filters too; its iteration in
-    ``muon_dtype``, "float32" or "bfloat16"), over ``groups``."""
+    ``muon_dtype``, "float32" or "bfloat16"), over ``groups``. A Muon optimizer with no tensor of its kind ->
+    ``NothingToStep``."""
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, fused=fused)
     if name == "sgd":
@@ -252,7 +257,7 @@ def build_optimizer(name: str, groups: list[dict], lr: float, *, momentum: float
     if name in ("muon", "muon_conv"):
         split = muon_split(groups, muon_exclude, filters=name == "muon_conv")
         if not split[0]:  # torch would fail later on an empty parameter list, in its own words
-            raise ValueError(f"optimizer {name} finds no weight matrix for Muon in this model (its weights are conv "
+            raise NothingToStep(f"optimizer {name} finds no weight matrix for Muon in this model (its weights are conv "
                              "filters or the classifier's): use --optimizer muon_conv (filters too) or adamw")
         if muon_dtype not in MUON_DTYPES:
             raise ValueError(f"muon_dtype must be one of {tuple(MUON_DTYPES)}, got {muon_dtype!r}")

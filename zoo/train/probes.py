@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..models import create_model
 from .data.cache import user_cache_dir
 from .device import faster_precision, interleaved_medians, machine_name, remembered_choice
-from .optim import build_optimizer, param_groups
+from .optim import NothingToStep, build_optimizer, param_groups
 from .recipe import Recipe
 
 PRECISION_FILE = "precision-choices.json"  # the remembered measurements, in the cache directory
@@ -98,6 +98,19 @@ def optimizer_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: 
     return {name: passes + seconds for name, seconds in steps.items()}
 
 
+def applicable(optimizers: dict[str, Callable], model: torch.nn.Module) -> dict[str, Callable]:
+    """``optimizers`` (name -> builder of an optimizer for a model) less those with nothing of ``model`` to step
+    (muon on a model whose weights are conv filters: ``NothingToStep``)."""
+    kept = {}
+    for name, build in optimizers.items():
+        try:
+            build(model)
+        except NothingToStep:
+            continue
+        kept[name] = build
+    return kept
+
+
 def affordable_optimizer(seconds: dict[str, float], preferred: tuple[str, ...], min_speed: float) -> str:
     """The first of ``preferred`` whose step is at most ``1 / min_speed`` times AdamW's (``seconds["adamw"]``),
     else AdamW."""
@@ -123,8 +136,9 @@ def probe_optimizer(recipe: Recipe, precision: str, muon_dtype: str) -> str:
 
     def measure() -> str:
         model, x = _probe_inputs(recipe)
-        seconds = optimizer_step_seconds(model, x, {name: build(name) for name in candidates}, precision)
-        return affordable_optimizer(seconds, candidates[:-1], recipe.optimizer_min_speed)
+        builds = applicable({name: build(name) for name in candidates}, model)  # muon on a CNN has no matrix
+        seconds = optimizer_step_seconds(model, x, builds, precision)
+        return affordable_optimizer(seconds, tuple(builds)[:-1], recipe.optimizer_min_speed)
 
     return _remembered(recipe, ["optimizer", list(candidates), recipe.optimizer_min_speed, precision, muon_dtype],
                        measure, f"optimizer {recipe.optimizer} (min speed {recipe.optimizer_min_speed} of adamw's)",
