@@ -12,7 +12,9 @@ import torch
 import yaml
 
 import train
+import zoo
 from zoo.train import probes
+from zoo.train.recipe import resolve_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,6 +58,16 @@ def test_a_model_of_conv_filters_is_measured_without_the_muon_it_cannot_step(tmp
     recipe = probes.Recipe(model="resnet18", optimizer="muon_conv", optimizer_min_speed=0.9, batch_size=2,
                            cache_dir=str(tmp_path))
     assert probes.probe_optimizer(recipe, "32", "float32") == "adamw" and timed == [("muon_conv", "adamw")]
+
+
+@pytest.mark.parametrize("model", zoo.list_models())
+def test_the_cpu_recipe_probes_only_optimizers_that_build_for_every_model(model, tmp_path, monkeypatch):
+    def scripted(model, x, optimizers, precision, repeats=3):
+        return {name: 1.0 for name, build in optimizers.items() if build(model) is not None}
+
+    monkeypatch.setattr(probes, "optimizer_step_seconds", scripted)
+    recipe = resolve_config(model, REPO / "configs" / "cpu_budget.yaml", ["batch_size=2", f"cache_dir={tmp_path}"])
+    assert probes.probe_optimizer(recipe, "32", "float32") == recipe.optimizer  # as fast as AdamW: kept
 
 
 def test_train_records_the_measured_optimizer_and_a_resumed_run_keeps_it(cifar_dir, tmp_path, capsys, monkeypatch):
