@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zoo.bench import report_tables
-from zoo.bench.gpu_check import suite_record
+from zoo.bench.results import from_suite
 from zoo.bench.suite import attention_candidates, baseline_vit, run_suite, timm_vit_like
 from zoo.models import create_model
 
@@ -97,7 +97,7 @@ def test_quick_suite_writes_every_section_and_memory_claims_hold(cifar_dir, tmp_
     assert all(positive(row["measured"]) for c, row in claims.items() if c not in gpu_only)
     assert any("hybrid_tiny" in c for c in claims)
 
-    record = suite_record(saved, "python eval.py --bench-suite --out OUT")   # as results/ and the report take it
+    record = from_suite(saved, "python eval.py --bench-suite --out OUT")   # as results/ and the report take it
     numbers = record["numbers"]
     assert numbers["attention_op"][0] == {k: op[k] for k in ("n", "zoo_ms", "timm_ms", "floor_ms")}
     assert [r["zoo"] for r in numbers["whole_model"]] == [model["zoo_train_img_s"], model["zoo_infer_img_s"]]

@@ -176,6 +176,7 @@ def test_command_line_quotes_arguments_and_keeps_the_bf16_switch(monkeypatch):
         "python -m zoo.bench.modes --models vit_nano --set 'a b'"
     monkeypatch.setenv("ZOO_NATIVE_BF16", "0")
     assert results.command_line("zoo.bench.muon", []) == "ZOO_NATIVE_BF16=0 python -m zoo.bench.muon"
+    assert results.command_line("eval.py", ["--bench-suite"]) == "ZOO_NATIVE_BF16=0 python eval.py --bench-suite"
 
 
 def test_a_recorded_command_names_placeholders_not_the_machines_folders(monkeypatch):

@@ -196,6 +196,8 @@ EVAL_CASES = [
     ("faithfulness-images 0", ["--faithfulness", "{run}", "--faithfulness-images", "0"],
      r"--faithfulness-images must be >= 1, got 0"),
     ("faithfulness, a run twice", ["--faithfulness", "{run}", "{run}"], r"--faithfulness got the same run more"),
+    ("results without the suite", ["--checkpoint", "{run}", "--results", "{tmp}/results"],
+     r"--results records the measurement of --bench-suite"),
     ("faithfulness, a missing run", ["--faithfulness", "{run}", "{tmp}/none"], r"no checkpoint at .*none"),
     ("faithfulness, other classes", ["--faithfulness", "{run}", "--data-dir", "{two}"],
      r"has the classes \['cat', 'dog'\], the run was trained on"),

@@ -293,41 +293,6 @@ def _suite_summary(results: dict) -> dict:
             "gemm_peak_tflops": mfu["gemm_peak_gflops"] / 1e3}
 
 
-def suite_record(found: dict, command: str) -> dict:
-    """The suite's results (``run_suite``) as a ``zoo.bench.results`` "suite" record, in the report's fields."""
-    from . import results
-    from .suite import gemm_setting
-    from .timing import PRECISIONS
-
-    model, mfu = found["models"][0], found["mfu"][0]
-    precision = model["precision"]
-    numbers = {
-        "attention_op": [{"n": r["n"], "zoo_ms": r["zoo_ms"], "timm_ms": r["timm_ms"], "floor_ms": r["floor_ms"]}
-                         for r in found["attention_op"]],
-        "attention_op_setting": f"forward + backward, B=32, 3 heads, head dim 64, precision {precision}",
-        "whole_model": [{"mode": f"training (batch {model['train_batch']}, forward + backward + AdamW)",
-                         "zoo": model["zoo_train_img_s"], "timm": model["timm_train_img_s"]},
-                        {"mode": f"inference (batch {model['infer_batch']})", "zoo": model["zoo_infer_img_s"],
-                         "timm": model["timm_infer_img_s"]}],
-        "whole_model_setting": f"{model['model']} against timm's VisionTransformer of the same configuration, "
-                               f"precision {precision}, images/s",
-        "memory": [{"backend": r["backend"], "inference_mib": r["inference_mb"], "train_mib": r["backward_mb"]}
-                   for r in found["memory"]],
-        "memory_setting": f"peak memory of one attention call, B=1, 3 heads, head dim 64, N={found['memory'][0]['n']}",
-        "training_images_per_s": {r["model"]: r["train_img_s"] for r in found["training_speed"]},
-        "training_setting": f"batch {model['train_batch']}, precision {precision}",
-        "mfu": {"model": mfu["model"], "achieved_gflops": mfu["achieved_gflops"],
-                "gemm_gflops": mfu["gemm_peak_gflops"], "mfu": mfu["mfu"]},
-        # bench.json files written before the GEMM was recorded: gemm_peak_flops' default for the device
-        "mfu_setting": mfu.get("gemm") or gemm_setting(torch.device("cuda" if found["machine"].get("gpu") else "cpu"),
-                                                       PRECISIONS[precision] or torch.float32),
-        "pipeline_images_per_s": found["pipeline"]["img_s"],
-        "pipeline_setting": f"batches of {found['pipeline']['batch']} from the uint8 cache on the device, "
-                            f"{found['pipeline'].get('augment', 'crop + flip')} augmentation, normalised"}
-    return results.make("suite", "Attention and whole models against timm and the bare-torch floor", command,
-                        numbers)
-
-
 def results_records(report: dict, out: Path, command: str) -> list[dict]:
     """The check's measurements as ``zoo.bench.results`` records: a "gpu" record of every step's scalar results
     (one row each) and, when the suite ran, its "suite" record."""
@@ -338,7 +303,7 @@ def results_records(report: dict, out: Path, command: str) -> list[dict]:
             for key, value in found.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
     records = [results.make("gpu", "The prepared GPU check", command, {"rows": rows})] if rows else []
     if report.get("suite", {}).get("ok"):
-        records.append(suite_record(json.loads((out / "suite" / "bench.json").read_text()), command))
+        records.append(results.from_suite(json.loads((out / "suite" / "bench.json").read_text()), command))
     return records
 
 

@@ -117,7 +117,8 @@ PATH_PLACEHOLDERS = {"--data-dir": "DATA", "--out": "OUT", "--cache-dir": "CACHE
 
 
 def command_line(module: str, argv=None) -> str:
-    """How this command was run, for a record: ``python -m MODULE ARGS`` (``argv`` or the process's arguments),
+    """How this command was run, for a record: ``python -m MODULE ARGS``, or ``python MODULE ARGS`` for a script
+    such as eval.py (``argv`` or the process's arguments),
     each argument quoted only where the shell needs it and each path of ``PATH_PLACEHOLDERS`` as its placeholder."""
     import shlex
 
@@ -130,7 +131,8 @@ def command_line(module: str, argv=None) -> str:
             arg = PATH_PLACEHOLDERS[args[i - 1]]
         shown.append(arg)
     env = " ".join(f"{k}={os.environ[k]}" for k in ("ZOO_NATIVE_BF16",) if k in os.environ)
-    return " ".join(x for x in (env, f"python -m {module}", shlex.join(shown)) if x)
+    program = f"python {module}" if module.endswith(".py") else f"python -m {module}"
+    return " ".join(x for x in (env, program, shlex.join(shown)) if x)
 
 
 def validate(result: dict, where: str = "result") -> dict:
@@ -260,6 +262,41 @@ def from_run(run_dir: str | Path, *, setting: str = "", command: str | None = No
     command = command or (f"python train.py --model {numbers['model']} --config configs/cpu_budget.yaml "
                           f"--data-dir DATA {length} --seed {numbers['seed']} {setting}").strip()
     return make("train", f"{numbers['model']}, {numbers['budget']} of training", command, numbers)
+
+
+def from_suite(found: dict, command: str) -> dict:
+    """The suite's results (``run_suite``'s, as its bench.json holds them) as a "suite" record, in the report's
+    fields."""
+    from .suite import gemm_setting
+    from .timing import PRECISIONS
+
+    model, mfu = found["models"][0], found["mfu"][0]
+    precision = model["precision"]
+    numbers = {
+        "attention_op": [{"n": r["n"], "zoo_ms": r["zoo_ms"], "timm_ms": r["timm_ms"], "floor_ms": r["floor_ms"]}
+                         for r in found["attention_op"]],
+        "attention_op_setting": f"forward + backward, B=32, 3 heads, head dim 64, precision {precision}",
+        "whole_model": [{"mode": f"training (batch {model['train_batch']}, forward + backward + AdamW)",
+                         "zoo": model["zoo_train_img_s"], "timm": model["timm_train_img_s"]},
+                        {"mode": f"inference (batch {model['infer_batch']})", "zoo": model["zoo_infer_img_s"],
+                         "timm": model["timm_infer_img_s"]}],
+        "whole_model_setting": f"{model['model']} against timm's VisionTransformer of the same configuration, "
+                               f"precision {precision}, images/s",
+        "memory": [{"backend": r["backend"], "inference_mib": r["inference_mb"], "train_mib": r["backward_mb"]}
+                   for r in found["memory"]],
+        "memory_setting": f"peak memory of one attention call, B=1, 3 heads, head dim 64, N={found['memory'][0]['n']}",
+        "training_images_per_s": {r["model"]: r["train_img_s"] for r in found["training_speed"]},
+        "training_setting": f"batch {model['train_batch']}, precision {precision}",
+        "mfu": {"model": mfu["model"], "achieved_gflops": mfu["achieved_gflops"],
+                "gemm_gflops": mfu["gemm_peak_gflops"], "mfu": mfu["mfu"]},
+        # bench.json files written before the GEMM was recorded: gemm_peak_flops' default for the device
+        "mfu_setting": mfu.get("gemm") or gemm_setting(torch.device("cuda" if found["machine"].get("gpu") else "cpu"),
+                                                       PRECISIONS[precision] or torch.float32),
+        "pipeline_images_per_s": found["pipeline"]["img_s"],
+        "pipeline_setting": f"batches of {found['pipeline']['batch']} from the uint8 cache on the device, "
+                            f"{found['pipeline'].get('augment', 'crop + flip')} augmentation, normalised"}
+    return make("suite", "Attention and whole models against timm and the bare-torch floor", command,
+                        numbers)
 
 
 def main(argv=None) -> int:

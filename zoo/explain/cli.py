@@ -8,7 +8,7 @@
                    [--faithfulness-images 1000] [--methods attnlrp,captum:IntegratedGradients] [--full-grid]
                    [--sanity] [--absolute-scale]
     python eval.py --report pretrained:hybrid_tiny pretrained:vit_nano --out eval/report [--faithfulness-images N]
-    python eval.py --bench-suite --out bench [--data-dir DIR]
+    python eval.py --bench-suite --out bench [--data-dir DIR] [--results results]
 
 User errors (missing / truncated / foreign checkpoint, missing data) print one line and exit with code 2.
 Under torchrun / SLURM, --checkpoint / --pretrained split the test set among the processes (each image counted
@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--absolute-scale", action="store_true", help="--faithfulness draws each method's maps on one "
                    "absolute colour scale instead of scaling every map min->max")
     p.add_argument("--benchmark", action="store_true", help="inference / training images/s, latency, memory")
+    p.add_argument("--results", metavar="DIR",
+                   help="with --bench-suite: also record the measurement in DIR (results/) for the report")
     p.add_argument("--precision", default="32", help="benchmark precision: 32, bf16-mixed, 16-mixed")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda when a GPU is visible, else mps on Apple "
                    "silicon, else cpu)")
@@ -77,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.results and not args.bench_suite:
+        p.error("--results records the measurement of --bench-suite: give it with --bench-suite")
     return args
 
 
@@ -106,8 +110,12 @@ def main(argv=None) -> int:
             from zoo.bench.suite import run_suite
 
             check_out_dir(args.out)
-            run_suite(args.out, data_dir=args.data_dir, device=args.device)
+            found = run_suite(args.out, data_dir=args.data_dir, device=args.device)
             print(open(f"{args.out}/bench.md").read())
+            if args.results:
+                from zoo.bench import results
+
+                print(results.write(results.from_suite(found, results.command_line("eval.py", argv)), args.results))
             return 0
         if args.report:
             from zoo.explain.html_report import html_report
