@@ -198,6 +198,11 @@ def test_a_superseded_measurement_stays_in_results_but_leaves_the_report(committ
     assert "1999-01-01" not in text
     count = sum(1 for r in committed if r.get("superseded")) + 1
     assert f" {count} measurements of code that has changed since stay in `results/`" in text
+    elsewhere = json.loads(json.dumps(old))  # a machine measured only by superseded records leaves the machines too
+    elsewhere["machine"] = {**old["machine"], "id": "gone-1"}
+    elsewhere["versions"]["torch"] = "0.0-gone"
+    text = report.render_benchmarks([*committed, elsewhere])
+    assert "gone-1" not in text and "0.0-gone" not in text
 
 
 def test_boards_of_one_measurement_share_a_table_and_a_heading_naming_each_command_and_note(committed):

@@ -57,9 +57,15 @@ def minutes(budget: str) -> float:
     return days * 1440 + hours * 60 + mins + secs / 60
 
 
+def is_current(record: dict) -> bool:
+    """Whether ``record`` measures today's code and recipes: not marked ``superseded`` (the code has changed since)
+    nor, a training run, ``superseded_recipe`` (its recipe has)."""
+    return not record.get("superseded") and not record["numbers"].get("superseded_recipe")
+
+
 def records_of(results: list[dict], kind: str) -> list[dict]:
-    """The records of ``kind`` but those marked ``superseded`` (a measurement of code that has changed since)."""
-    return [r for r in results if r["kind"] == kind and not r.get("superseded")]
+    """The current records (``is_current``) of ``kind``."""
+    return [r for r in results if r["kind"] == kind and is_current(r)]
 
 
 def _model_order(name: str) -> tuple:
@@ -67,10 +73,11 @@ def _model_order(name: str) -> tuple:
 
 
 def machines_of(results: list[dict]) -> dict[str, dict]:
-    """Machine id -> its facts, from the measurements that depend on the machine (not the parameter count)."""
+    """Machine id -> its facts, from the current measurements that depend on the machine (not the parameter
+    count)."""
     found = {}
     for r in results:
-        if r["kind"] == "model_info":
+        if r["kind"] == "model_info" or not is_current(r):
             continue
         found.setdefault(r["machine"]["id"], r["machine"])
     return found
@@ -138,14 +145,13 @@ def _accuracy_rows(groups: dict[tuple, list[dict]], notes: Notes, with_budget: b
 
 
 def accuracy_section(results: list[dict]) -> list[str]:
-    current = [r for r in records_of(results, "train") if not r["numbers"].get("superseded_recipe")]  # today's recipes
-    groups = _train_groups(current)
+    groups = _train_groups(records_of(results, "train"))
     short = {k: v for k, v in groups.items() if k[1] == TEN_MINUTES}
     long = {k: v for k, v in groups.items() if k[1] != TEN_MINUTES}
     head = ["model", "machine", "setting", "precision", "seeds", "steps (mean)", "train img/s (mean)",
             "test top-1 with TTA", "without TTA", "notes"]
     notes = Notes()
-    earlier = len(records_of(results, "train")) - len(current)
+    earlier = sum(r["kind"] == "train" and not r.get("superseded") and not is_current(r) for r in results)
     out = ["## Accuracy under a CPU budget", "",
            "Test top-1 on the 10,000 CIFAR-10 test images after a fixed wall-clock budget of training (validation "
            "included, the final test after it); the learning-rate schedule is fitted to the budget. Each row is "
@@ -369,7 +375,8 @@ def machines_section(results: list[dict]) -> list[str]:
     rows = []
     for ident, m in sorted(machines_of(results).items()):
         software = sorted({", ".join(f"{k} {r['versions'][k]}" for k in ("python", "torch", "timm", "lightning"))
-                           for r in results if r["machine"]["id"] == ident and r["kind"] != "model_info"})
+                           for r in results if r["machine"]["id"] == ident and r["kind"] != "model_info"
+                           and is_current(r)})
         rows.append([f"`{ident}`", m["cpu"], f"{num(m['family'])} / {num(m['model'])}",
                      num(m["flags"]["avx512_bf16"]), num(m["flags"]["amx"]),
                      f"{num(m['cores'])} / {num(m.get('threads'))}", f"{num(m['memory_gib'])} GiB",

@@ -296,7 +296,7 @@ def from_suite(found: dict, command: str) -> dict:
         "pipeline_setting": f"batches of {found['pipeline']['batch']} from the uint8 cache on the device, "
                             f"{found['pipeline'].get('augment', 'crop + flip')} augmentation, normalised"}
     return make("suite", "Attention and whole models against timm and the bare-torch floor", command,
-                        numbers)
+                significant(numbers))
 
 
 def main(argv=None) -> int:
