@@ -366,8 +366,8 @@ def gpu_section(results: list[dict]) -> list[str]:
         cells = [[f"`{step}`", "; ".join(f"{row['measure']} {num(row['value'])}" for row in r["numbers"]["rows"]
                                          if row["step"] == step)] for step in steps]
         out += ["", f"{r['title']}: `{r['machine']['id']}` ({r['machine']['gpu']}), {r['date']}. "
-                f"Command: `{r['command']}`", "", *table(["step", "measured"], cells)]
-        out += ["", r["note"]] if r.get("note") else []
+                f"Command: `{r['command']}`" + (f". {r['note']}" if r.get("note") else ""), "",
+                *table(["step", "measured"], cells)]  # the note ends the heading, as in every other section
     return out
 
 
