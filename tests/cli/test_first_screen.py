@@ -114,7 +114,7 @@ def first_line_within(code: str, seconds: float) -> str | None:
 
 def test_output_into_a_pipe_goes_out_line_by_line():
     waits = "print('first'); import time; time.sleep(60)"
-    assert first_line_within(f"from zoo.console import line_buffered_output; line_buffered_output(); {waits}",
+    assert first_line_within(f"from zoo.train.console import line_buffered_output; line_buffered_output(); {waits}",
                              30) == "first"
     assert first_line_within(waits, 2) is None  # Python's own block buffer: what the CLIs change
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from zoo.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
+from zoo.train.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
 
 
 def parse_args(argv=None) -> argparse.Namespace:

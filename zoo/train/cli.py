@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from zoo.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
+from zoo.train.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
 
 CLI_ONLY = ("config", "set", "list_models", "print_config")  # flags that are not recipe keys
 
