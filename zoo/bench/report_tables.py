@@ -72,13 +72,15 @@ def _model_order(name: str) -> tuple:
     return (MODEL_ORDER.index(name) if name in MODEL_ORDER else len(MODEL_ORDER), name)
 
 
+def _machine_records(results: list[dict]) -> list[dict]:
+    """The current measurements that depend on the machine (not the parameter count)."""
+    return [r for r in results if r["kind"] != "model_info" and is_current(r)]
+
+
 def machines_of(results: list[dict]) -> dict[str, dict]:
-    """Machine id -> its facts, from the current measurements that depend on the machine (not the parameter
-    count)."""
+    """Machine id -> its facts, from ``_machine_records``."""
     found = {}
-    for r in results:
-        if r["kind"] == "model_info" or not is_current(r):
-            continue
+    for r in _machine_records(results):
         found.setdefault(r["machine"]["id"], r["machine"])
     return found
 
@@ -151,7 +153,8 @@ def accuracy_section(results: list[dict]) -> list[str]:
     head = ["model", "machine", "setting", "precision", "seeds", "steps (mean)", "train img/s (mean)",
             "test top-1 with TTA", "without TTA", "notes"]
     notes = Notes()
-    earlier = sum(r["kind"] == "train" and not r.get("superseded") and not is_current(r) for r in results)
+    earlier = sum(r["kind"] == "train" and not r.get("superseded") and bool(r["numbers"].get("superseded_recipe"))
+                  for r in results)
     out = ["## Accuracy under a CPU budget", "",
            "Test top-1 on the 10,000 CIFAR-10 test images after a fixed wall-clock budget of training (validation "
            "included, the final test after it); the learning-rate schedule is fitted to the budget. Each row is "
@@ -375,8 +378,7 @@ def machines_section(results: list[dict]) -> list[str]:
     rows = []
     for ident, m in sorted(machines_of(results).items()):
         software = sorted({", ".join(f"{k} {r['versions'][k]}" for k in ("python", "torch", "timm", "lightning"))
-                           for r in results if r["machine"]["id"] == ident and r["kind"] != "model_info"
-                           and is_current(r)})
+                           for r in _machine_records(results) if r["machine"]["id"] == ident})
         rows.append([f"`{ident}`", m["cpu"], f"{num(m['family'])} / {num(m['model'])}",
                      num(m["flags"]["avx512_bf16"]), num(m["flags"]["amx"]),
                      f"{num(m['cores'])} / {num(m.get('threads'))}", f"{num(m['memory_gib'])} GiB",
