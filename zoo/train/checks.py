@@ -1,6 +1,6 @@
 """The checks of recipe values, one per kind of setting: each takes (dotted key, value) and returns the normalised
-value or raises a ValueError naming the key, what was expected and what was given (``zoo.train.recipe`` attaches
-them to its fields); and the parsers of Lightning's ``DD:HH:MM:SS`` budgets and batch limits."""
+value or raises a one-line ValueError ``KEY must EXPECTED, got VALUE`` (``rule`` builds them; ``zoo.train.recipe``
+attaches them to its fields); and the parsers of Lightning's ``DD:HH:MM:SS`` budgets and batch limits."""
 
 from __future__ import annotations
 
@@ -8,102 +8,63 @@ import copy
 import math
 import re
 from collections.abc import Callable, Mapping
+from functools import reduce
 from typing import Any
 
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 
 Check = Callable[[str, Any], Any]   # (dotted key, value) -> normalised value, or ValueError
-After = Callable[[str, Any, Any], None]  # (dotted key, checked value, the whole config) -> None, or ValueError
 
 
-def integer_check(low: int) -> Check:
-    expected = {0: "a non-negative integer", 1: "a positive integer"}[low]
-
+def rule(expected: str, ok: Callable[[Any], bool], normal: Callable[[Any], Any] = lambda value: value) -> Check:
+    """A check passing ``value`` where ``ok(value)`` (as ``normal(value)``), else "KEY must EXPECTED, got VALUE"."""
     def check(key: str, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{key} must be {expected}, got {value!r}")
-        return value
+        if not ok(value):
+            raise ValueError(f"{key} must {expected}, got {value!r}")
+        return normal(value)
     return check
 
 
-def number_check(key: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{key} must be a non-negative number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{key} must be a finite number, got {value!r}")
-    return float(value)
+def chain(*checks: Check) -> Check:
+    """The checks in turn, each given the value the previous one returned."""
+    return lambda key, value: reduce(lambda passed, check: check(key, passed), checks, value)
 
 
-def positive_check(key: str, value) -> float:
-    value = number_check(key, value)
-    if value == 0:
-        raise ValueError(f"{key} must be above zero, got {value!r}")
-    return value
-
-
-def text_check(key: str, value) -> str:
-    if isinstance(value, (bool, list, dict)) or value is None:
-        raise ValueError(f"{key} must be a string, got {value!r}")
-    return str(value)
-
-
-def mapping_check(key: str, value) -> dict:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{key} must be a mapping, got {value!r}")
-    return copy.deepcopy(dict(value))
-
-
-def optional_check(check: Check) -> Check:
+def optional(check: Check) -> Check:
+    """``check``, letting None (YAML null: unset) through."""
     return lambda key, value: None if value is None else check(key, value)
 
 
-def choice_check(options: tuple) -> Check:
-    def check(key: str, value):
-        if value not in options or isinstance(value, bool):
-            raise ValueError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
-        return value
-    return check
+def choice(options: tuple) -> Check:
+    return rule("be one of " + ", ".join(map(str, options)), lambda v: v in options and not isinstance(v, bool))
 
 
-def unit_interval_check(key: str, value) -> float:
-    value = number_check(key, value)
-    if value >= 1:
-        raise ValueError(f"{key} must lie in [0, 1), got {value!r}")
-    return value
-
-
-def fraction_check(key: str, value) -> float:
-    value = number_check(key, value)
-    if not 0 < value <= 1:
-        raise ValueError(f"{key} must lie in (0, 1], got {value!r}")
-    return value
-
-
-def precision_check(key: str, value) -> str:
-    if str(value) not in PRECISIONS:
-        raise ValueError(f"{key} must be one of {', '.join(PRECISIONS)}, got {value!r}")
-    return str(value)
-
-
-def devices_check(key: str, value) -> int | str:
-    if isinstance(value, str) and re.fullmatch(r"\s*(-1|\d+)\s*", value):
-        value = int(value)
-    valid = value == "auto" or isinstance(value, str) and re.fullmatch(r"\d+(,\d+)*,?", value.replace(" ", ""))
-    if isinstance(value, bool) or not (valid or isinstance(value, int) and (value >= 1 or value == -1)):
-        raise ValueError(f"{key} must be auto, a number of devices (-1: all) or a device list like '0,1', "
-                         f"got {value!r}")
-    return value
-
-
-def flag_check(*words: str) -> Check:
+def flag(*words: str) -> Check:
     """true or false, or one of ``words``."""
-    expected = ", ".join([*words, "true"]) + " or false"
+    return rule("be " + ", ".join([*words, "true"]) + " or false", lambda v: isinstance(v, bool) or v in words)
 
-    def check(key: str, value) -> bool | str:
-        if value not in words and not isinstance(value, bool):
-            raise ValueError(f"{key} must be {expected}, got {value!r}")
-        return value
-    return check
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+NATURAL = rule("be a non-negative integer", lambda v: _integer(v) and v >= 0)
+POSITIVE = rule("be a positive integer", lambda v: _integer(v) and v >= 1)
+NUMBER = chain(rule("be a non-negative number", lambda v: (_integer(v) or isinstance(v, float)) and not v < 0),
+               rule("be a finite number", math.isfinite, float))
+ABOVE_ZERO = chain(NUMBER, rule("be above zero", lambda v: v > 0))
+UNIT_INTERVAL = chain(NUMBER, rule("lie in [0, 1)", lambda v: v < 1))
+FRACTION = chain(NUMBER, rule("lie in (0, 1]", lambda v: 0 < v <= 1))
+TEXT = rule("be a string", lambda v: v is not None and not isinstance(v, (bool, list, dict)), str)
+MAPPING = rule("be a mapping", lambda v: isinstance(v, Mapping), lambda v: copy.deepcopy(dict(v)))
+PRECISION = rule("be one of " + ", ".join(PRECISIONS), lambda v: str(v) in PRECISIONS, str)  # YAML reads 32 as int
+RANDAUGMENT = rule("be null, true, false or a mapping like {num_ops: 2, magnitude: 9}",
+                   lambda v: isinstance(v, (bool, Mapping)), lambda v: v if isinstance(v, bool) else dict(v))
+DEVICES = chain(  # a count written as text ("2", "-1") is the number
+    lambda key, v: int(v) if isinstance(v, str) and re.fullmatch(r"\s*(-1|\d+)\s*", v) else v,
+    rule("be auto, a number of devices (-1: all) or a device list like '0,1'",
+         lambda v: v == "auto" or _integer(v) and (v >= 1 or v == -1)
+         or isinstance(v, str) and bool(re.fullmatch(r"\d+(,\d+)*,?", v.replace(" ", "")))))
 
 
 def max_time_check(key: str, value) -> str:
@@ -122,13 +83,6 @@ def limit_check(key: str, value) -> int | float | None:
         raise ValueError(f"{key} must be a batch limit: an integer (batches) or a fraction like 0.25, "
                          f"got {value!r}")
     return limit
-
-
-def randaugment_check(key: str, value) -> dict | bool:
-    if not isinstance(value, (bool, Mapping)):
-        raise ValueError(f"{key} must be null, true, false or a mapping like {{num_ops: 2, magnitude: 9}}, "
-                         f"got {value!r}")
-    return value if isinstance(value, bool) else dict(value)
 
 
 def parse_max_time(value: str) -> float:

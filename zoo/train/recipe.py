@@ -56,8 +56,8 @@ class _Checked:
 
 
 # the checks most fields share
-TEXT, OPTIONAL_TEXT, FLAG, NUMBER = c.text_check, c.optional_check(c.text_check), c.flag_check(), c.number_check
-NATURAL, POSITIVE, COUNT = c.integer_check(0), c.integer_check(1), c.optional_check(c.integer_check(1))
+TEXT, NUMBER, NATURAL, POSITIVE = c.TEXT, c.NUMBER, c.NATURAL, c.POSITIVE
+OPTIONAL_TEXT, COUNT, FLAG = c.optional(c.TEXT), c.optional(c.POSITIVE), c.flag()
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,14 @@ class AugmentConfig(_Checked):
     alternating_flip: bool = setting(DEFAULT_AUGMENT["alternating_flip"], "with hflip: mirror each image in "
                                      "alternate epochs (airbench)", FLAG)
     randaugment: dict | bool | None = setting(DEFAULT_AUGMENT["randaugment"], "RandAugment: null (off), true or "
-                                              "{num_ops: 2, magnitude: 9}", c.optional_check(c.randaugment_check))
+                                              "{num_ops: 2, magnitude: 9}", c.optional(c.RANDAUGMENT))
     mixup_alpha: float = setting(DEFAULT_AUGMENT["mixup_alpha"], "mixup Beta(alpha, alpha); 0 = off", NUMBER)
     cutmix_alpha: float = setting(DEFAULT_AUGMENT["cutmix_alpha"], "cutmix Beta(alpha, alpha); 0 = off", NUMBER)
     cutout: int = setting(DEFAULT_AUGMENT["cutout"], "side (pixels) of a zeroed square per image; 0 = off", NATURAL)
 
 
 def _section(key: str, value) -> AugmentConfig:
-    return value if isinstance(value, AugmentConfig) else AugmentConfig.from_dict(c.mapping_check(key, value or {}))
+    return value if isinstance(value, AugmentConfig) else AugmentConfig.from_dict(c.MAPPING(key, value or {}))
 
 
 @dataclass(frozen=True)
@@ -87,30 +87,30 @@ class Recipe(_Checked):
 
     model: str | None = setting(None, "registered model name (train.py --list-models)", OPTIONAL_TEXT)
     model_args: dict = setting({}, "keyword arguments of zoo.create_model (depth, drop_path_rate, ...)",
-                               c.mapping_check, nested=dict)
+                               c.MAPPING, nested=dict)
     epochs: int = setting(100, "training epochs (the LR schedule spans them)", POSITIVE)
     batch_size: int = setting(128, "global training batch size, split across devices and nodes", POSITIVE)
     eval_batch_size: int | None = setting(None, "validation / test batch size (null: batch_size)", COUNT)
     optimizer: str = setting("adamw", "adamw, sgd, muon (2-D; AdamW on the rest), muon_conv",
-                             c.choice_check(OPTIMIZERS))
+                             c.choice(OPTIMIZERS))
     optimizer_min_speed: float | None = setting(
         None, "keep a Muon optimizer only if a training step with it runs at >= this fraction of AdamW's speed here "
         "(measured once per machine and model); else Muon on fewer tensors, else AdamW (null: always keep)",
-        c.optional_check(c.fraction_check))
+        c.optional(c.FRACTION))
     muon_dtype: str = setting("auto", "dtype of Muon's iteration: auto (bfloat16 where the device computes it "
-                              "natively, else float32), float32 or bfloat16", c.choice_check(("auto", *MUON_DTYPES)))
-    lr: float = setting(1e-3, "peak learning rate", c.positive_check)
+                              "natively, else float32), float32 or bfloat16", c.choice(("auto", *MUON_DTYPES)))
+    lr: float = setting(1e-3, "peak learning rate", c.ABOVE_ZERO)
     momentum: float = setting(0.9, "SGD's / Muon's Nesterov momentum", NUMBER)
     weight_decay: float = setting(0.05, "weight decay (not on norms, biases, position embeddings)", NUMBER)
     no_decay_lr_scale: float = setting(1.0, "learning-rate multiplier of norms, biases and position tables", NUMBER)
-    schedule: str = setting("cosine", "decay after the warm-up: cosine or linear", c.choice_check(SCHEDULES))
+    schedule: str = setting("cosine", "decay after the warm-up: cosine or linear", c.choice(SCHEDULES))
     warmup_epochs: float = setting(5.0, "linear warm-up, in epochs (fractions allowed)", NUMBER)
     min_lr_ratio: float = setting(0.01, "the decay ends at lr * min_lr_ratio", NUMBER)
-    label_smoothing: float = setting(0.1, "cross-entropy label smoothing, in [0, 1)", c.unit_interval_check)
+    label_smoothing: float = setting(0.1, "cross-entropy label smoothing, in [0, 1)", c.UNIT_INTERVAL)
     fit_whitening: bool = setting(True, "patch-whitening filters from training images (false: random ones)", FLAG)
-    ema_decay: float = setting(0.0, "EMA of the weights (decay warming up to this); 0 = off", c.unit_interval_check)
+    ema_decay: float = setting(0.0, "EMA of the weights (decay warming up to this); 0 = off", c.UNIT_INTERVAL)
     tta: int = setting(0, "test-time augmentation of validation and test: 0 none, 1 mirror, 2 mirror + shifts",
-                       c.choice_check(TTA_LEVELS))
+                       c.choice(TTA_LEVELS))
     augment: AugmentConfig = setting(AugmentConfig, "training augmentation", _section, nested=AugmentConfig)
     data_dir: str | None = setting(None, "ImageFolder tree with train/ and test/, or a folder holding "
                                    "cifar-10-batches-py (null: ./data)", OPTIONAL_TEXT)
@@ -123,20 +123,20 @@ class Recipe(_Checked):
                                     "~/.cache/zoo, never the data folder)", OPTIONAL_TEXT)
     data_memory_budget: float | None = setting(
         None, "GiB of device memory the decoded images may take; above it batches stream from the memory-mapped "
-        "cache file (null: half of the device's free memory)", c.optional_check(NUMBER))
+        "cache file (null: half of the device's free memory)", c.optional(NUMBER))
     seed: int = setting(0, "seeds the split, the subsets, the shuffling and the weights", NATURAL)
     precision: str = setting("auto", "auto (GPU: bf16-mixed or 16-mixed; CPU: bf16-mixed with native bf16 where "
-                             "measured faster, else 32), 32, bf16-mixed or 16-mixed", c.precision_check)
+                             "measured faster, else 32), 32, bf16-mixed or 16-mixed", c.PRECISION)
     accelerator: str = setting("auto", "auto, cpu, gpu or mps (Apple silicon)", TEXT)
-    devices: int | str = setting("auto", "device count (-1: all), a device list like 0,1, or auto", c.devices_check)
+    devices: int | str = setting("auto", "device count (-1: all), a device list like 0,1, or auto", c.DEVICES)
     strategy: str = setting("auto", "Lightning strategy: auto, ddp, ...", TEXT)
     num_nodes: int = setting(1, "machines in a multi-node run", POSITIVE)
     compile: bool | str = setting(False, "torch.compile the whole model (true), each CBAM and transformer block "
                                   "(regions), the training step's forward, loss and backward (step: CUDA graphs "
-                                  "on CUDA), or not (false)", c.flag_check("regions", "step"))
-    channels_last: str | bool = setting("auto", "channels-last memory (auto: resnet*, hybrid*)", c.flag_check("auto"))
+                                  "on CUDA), or not (false)", c.flag("regions", "step"))
+    channels_last: str | bool = setting("auto", "channels-last memory (auto: resnet*, hybrid*)", c.flag("auto"))
     max_time: str | None = setting(None, "wall-clock budget DD:HH:MM:SS, above zero; the LR schedule is fitted to "
-                                   "it", c.optional_check(c.max_time_check))
+                                   "it", c.optional(c.max_time_check))
     limit_train_batches: int | float | None = setting(None, "batches per epoch (2) or a fraction (0.25)", c.limit_check)
     limit_val_batches: int | float | None = setting(None, "as limit_train_batches, for validation", c.limit_check)
     limit_test_batches: int | float | None = setting(None, "as limit_train_batches, for the test", c.limit_check)
