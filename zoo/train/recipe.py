@@ -22,6 +22,7 @@ from typing import ClassVar
 import yaml
 
 from . import checks as c
+from .checks import COUNT, FLAG, NATURAL, NUMBER, OPTIONAL_TEXT, POSITIVE, TEXT
 from .checks import parse_limit, parse_max_time  # noqa: F401  (re-exported)
 from .data import DEFAULT_AUGMENT
 from .loggers import logger_names
@@ -54,10 +55,6 @@ class _Checked:
         _check_keys(cls, data, source, cls.prefix)
         return cls(**data)
 
-
-# the checks most fields share
-TEXT, NUMBER, NATURAL, POSITIVE = c.TEXT, c.NUMBER, c.NATURAL, c.POSITIVE
-OPTIONAL_TEXT, COUNT, FLAG = c.optional(c.TEXT), c.optional(c.POSITIVE), c.flag()
 
 
 @dataclass(frozen=True)
