@@ -12,16 +12,9 @@ import yaml
 
 import zoo
 from zoo.train import recipe as recipe_module
+from zoo.train.checks import parse_limit, parse_max_time
 from zoo.train.data import DEFAULT_AUGMENT
-from zoo.train.recipe import (
-    CONFIG_DIR,
-    AugmentConfig,
-    Recipe,
-    parse_limit,
-    parse_max_time,
-    parse_set,
-    resolve_config,
-)
+from zoo.train.recipe import CONFIG_DIR, AugmentConfig, Recipe, parse_set, resolve_config
 
 
 @pytest.mark.parametrize("name", zoo.list_models())
@@ -107,6 +100,20 @@ def test_value_parsing():
     assert parse_limit("0.25") == 0.25
     with pytest.raises(ValueError, match="key=value"):
         parse_set(["lr"])
+
+
+def test_a_budget_of_a_day_or_more_reads_as_written_in_set_and_in_a_config_file(tmp_path):
+    """YAML 1.1 reads ``1:00:00:00`` as the base-60 integer 216000 (``yaml.safe_load`` does); a budget is text."""
+    assert yaml.safe_load("max_time: 1:00:00:00") == {"max_time": 216000}  # what the loader must not do
+    config = tmp_path / "day.yaml"
+    config.write_text("max_time: 10:00:00:00\nlr: 1:30.5e0\n")
+    assert resolve_config("vit_tiny", overrides=["max_time=1:00:00:00"]).max_time == "1:00:00:00"
+    assert parse_max_time(resolve_config("vit_tiny", overrides=["max_time=1:00:00:00"]).max_time) == 24 * 3600
+    with pytest.raises(ValueError, match=re.escape("lr must be a non-negative number, got '1:30.5e0'")):
+        resolve_config("vit_tiny", config)
+    assert parse_set(["a=1_000", "b=0x1F", "c=-2.5", "d=.inf"]) == {"a": 1000, "b": 31, "c": -2.5, "d": float("inf")}
+    config.write_text("max_time: 10:00:00:00\n")
+    assert resolve_config("vit_tiny", config).max_time == "10:00:00:00"
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -5,9 +5,9 @@ flags and --help, config files, ``--set`` and a run's config.yaml all derive fro
 Resolution, lowest precedence first: the defaults, ``zoo/configs/<model>.yaml`` (every registered model ships one),
 ``--config FILE``, ``--set key=value`` and explicit flags; dotted keys reach into ``augment`` and ``model_args``
 (checked against the model's constructor), whose mappings merge key by key. One safe YAML reader (``parse_yaml``: a
-tag that would build a Python object is an error; ``3e-4`` is a number, as in YAML 1.2) reads config files and
-``--set`` values. Errors are one-line ValueErrors naming the key, what was expected and what was given; an unknown
-key names its layer and the valid keys. ``Recipe.to_yaml()`` loads back to an equal recipe."""
+tag that would build a Python object is an error; numbers as in YAML 1.2: ``3e-4`` a float, ``1:00:00:00`` text)
+reads config files and ``--set`` values. Errors are one-line ValueErrors naming the key, what was expected and what
+was given; an unknown key names its layer and the valid keys. ``Recipe.to_yaml()`` loads back to an equal recipe."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import yaml
 
 from . import checks as c
 from .checks import COUNT, FLAG, NATURAL, NUMBER, OPTIONAL_TEXT, POSITIVE, TEXT
-from .checks import parse_limit, parse_max_time  # noqa: F401  (re-exported)
 from .data import DEFAULT_AUGMENT
 from .loggers import logger_names
 from .optim import MUON_DTYPES, OPTIMIZERS, SCHEDULES
@@ -203,7 +202,12 @@ def _check_keys(cls, layer: Mapping, source: str, prefix: str = "") -> None:
 
 
 class _SafeLoader(yaml.SafeLoader):
-    """YAML's safe loader (no tags that build Python objects) reading ``3e-4`` as a float, as YAML 1.2 does."""
+    """YAML's safe loader (no tags that build Python objects) with YAML 1.2's numbers: ``3e-4`` is a float, and
+    ``1:00:00:00`` (a day's budget) a string, not YAML 1.1's base-60 integer 216000."""
+
+    yaml_implicit_resolvers = {first: [(tag, re.compile("(?!.*:)" + regexp.pattern, regexp.flags)  # no base 60
+                                        if tag.endswith(("int", "float")) else regexp) for tag, regexp in resolvers]
+                               for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
 
 _SafeLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
