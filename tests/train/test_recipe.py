@@ -116,6 +116,18 @@ def test_a_budget_of_a_day_or_more_reads_as_written_in_set_and_in_a_config_file(
     assert resolve_config("vit_tiny", config).max_time == "10:00:00:00"
 
 
+def test_a_path_under_home_written_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    """A shell expands ``~`` in a flag, never in a config file or a --set value: the recipe does it there."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "paths.yaml"
+    config.write_text("data_dir: ~/cifar\nout: ~/runs\ncache_dir: ~/cache\ninit_from: ~/w.pt\n")
+    recipe = resolve_config("vit_tiny", config, ["resume=~/runs/vit_tiny/a"])
+    paths = (recipe.data_dir, recipe.out, recipe.cache_dir, recipe.init_from, recipe.resume)
+    assert paths == tuple(str(tmp_path / p) for p in ("cifar", "runs", "cache", "w.pt", "runs/vit_tiny/a"))
+    assert resolve_config("vit_tiny", overrides=["resume=auto", "out=runs"]).resume == "auto"
+    assert resolve_config("vit_tiny", overrides=["out=runs"]).out == "runs"  # a relative path stays relative
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["lr=fast"], "lr must be a non-negative number, got 'fast'"),
     (["val_size=-1"], "val_size must be a non-negative integer, got -1"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from functools import reduce
@@ -56,7 +57,8 @@ ABOVE_ZERO = chain(NUMBER, rule("be above zero", lambda v: v > 0))
 UNIT_INTERVAL = chain(NUMBER, rule("lie in [0, 1)", lambda v: v < 1))
 FRACTION = chain(NUMBER, rule("lie in (0, 1]", lambda v: 0 < v <= 1))
 TEXT = rule("be a string", lambda v: v is not None and not isinstance(v, (bool, list, dict)), str)
-OPTIONAL_TEXT, COUNT, FLAG = optional(TEXT), optional(POSITIVE), flag()  # a path or name, a count, a switch
+PATH = chain(TEXT, lambda key, value: os.path.expanduser(value))  # ~/data in a config file as a shell reads it
+OPTIONAL_TEXT, OPTIONAL_PATH, COUNT, FLAG = optional(TEXT), optional(PATH), optional(POSITIVE), flag()
 MAPPING = rule("be a mapping", lambda v: isinstance(v, Mapping), lambda v: copy.deepcopy(dict(v)))
 PRECISION = rule("be one of " + ", ".join(PRECISIONS), lambda v: str(v) in PRECISIONS, str)  # YAML reads 32 as int
 RANDAUGMENT = rule("be null, true, false or a mapping like {num_ops: 2, magnitude: 9}",

@@ -22,7 +22,7 @@ from typing import ClassVar
 import yaml
 
 from . import checks as c
-from .checks import COUNT, FLAG, NATURAL, NUMBER, OPTIONAL_TEXT, POSITIVE, TEXT
+from .checks import COUNT, FLAG, NATURAL, NUMBER, OPTIONAL_PATH, OPTIONAL_TEXT, PATH, POSITIVE, TEXT
 from .data import DEFAULT_AUGMENT
 from .loggers import logger_names
 from .optim import MUON_DTYPES, OPTIMIZERS, SCHEDULES
@@ -109,14 +109,14 @@ class Recipe(_Checked):
                        c.choice(TTA_LEVELS))
     augment: AugmentConfig = setting(AugmentConfig, "training augmentation", _section, nested=AugmentConfig)
     data_dir: str | None = setting(None, "ImageFolder tree with train/ and test/, or a folder holding "
-                                   "cifar-10-batches-py (null: ./data)", OPTIONAL_TEXT)
+                                   "cifar-10-batches-py (null: ./data)", OPTIONAL_PATH)
     download: bool = setting(False, "download CIFAR-10 into data_dir when it holds no dataset", FLAG)
     img_size: int = setting(32, "images are img_size x img_size; every zoo model gets it", POSITIVE)
     val_size: int = setting(5000, "training images held out for validation", NATURAL)
     max_train_images: int | None = setting(None, "train on a seeded subset of this many images", COUNT)
     max_test_images: int | None = setting(None, "test on a seeded subset of this many images", COUNT)
     cache_dir: str | None = setting(None, "where the decoded uint8 cache goes (null: $XDG_CACHE_HOME/zoo or "
-                                    "~/.cache/zoo, never the data folder)", OPTIONAL_TEXT)
+                                    "~/.cache/zoo, never the data folder)", OPTIONAL_PATH)
     data_memory_budget: float | None = setting(
         None, "GiB of device memory the decoded images may take; above it batches stream from the memory-mapped "
         "cache file (null: half of the device's free memory)", c.optional(NUMBER))
@@ -139,14 +139,14 @@ class Recipe(_Checked):
     ckpt_every_n_steps: int = setting(500, "also write checkpoints/last.ckpt every N optimizer steps", POSITIVE)
     ckpt_every_minutes: float = setting(2.0, "write checkpoints/last.ckpt every this many minutes of training and at "
                                         "the end (0: only at the end and every N steps)", NUMBER)
-    out: str = setting("runs", "root of run directories: the run is written to OUT/<model>/<run-id>/", TEXT)
+    out: str = setting("runs", "root of run directories: the run is written to OUT/<model>/<run-id>/", PATH)
     loggers: list = setting([], "Lightning loggers beside metrics.csv (always written): tensorboard (into "
                             "RUN/tensorboard/), wandb, mlflow, comet; repeatable or comma-separated", logger_names,
                             flag="logger")
     resume: str | None = setting(None, "continue a run directory / checkpoint of the same model and model "
-                                 "arguments, or (auto) the newest run of the model under out", OPTIONAL_TEXT)
+                                 "arguments, or (auto) the newest run of the model under out", OPTIONAL_PATH)
     init_from: str | None = setting(None, "start a new run from a zoo checkpoint or a timm ViT state_dict",
-                                    OPTIONAL_TEXT)
+                                    OPTIONAL_PATH)
     init_partial: bool = setting(False, "let init_from load under half of the model's parameter elements", FLAG)
 
     def __post_init__(self):
