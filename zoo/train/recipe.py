@@ -55,7 +55,6 @@ class _Checked:
         return cls(**data)
 
 
-
 @dataclass(frozen=True)
 class AugmentConfig(_Checked):
     """Batched on-device training augmentation (``zoo.train.data``, whose ``DEFAULT_AUGMENT`` are the defaults)."""
