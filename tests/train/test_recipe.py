@@ -128,6 +128,19 @@ def test_a_path_under_home_written_with_a_tilde_is_the_home_folder(tmp_path, mon
     assert resolve_config("vit_tiny", overrides=["out=runs"]).out == "runs"  # a relative path stays relative
 
 
+def test_a_shipped_recipe_is_found_by_name_from_any_folder(tmp_path, monkeypatch):
+    """README's ``--config configs/cpu_budget.yaml`` also works from an installed wheel, away from the checkout."""
+    monkeypatch.chdir(tmp_path)
+    shipped = resolve_config("hybrid_tiny", CONFIG_DIR / "cpu_budget.yaml")
+    assert shipped != resolve_config("hybrid_tiny")
+    for given in ("configs/cpu_budget.yaml", "cpu_budget", "cpu_budget.yaml"):
+        assert resolve_config("hybrid_tiny", given) == shipped, given
+    (tmp_path / "cpu_budget.yaml").write_text("epochs: 3\n")  # a file that is there is the one read
+    assert resolve_config("hybrid_tiny", "cpu_budget.yaml").epochs == 3
+    with pytest.raises(ValueError, match=r"cannot read config file configs/nope.yaml: No such file"):
+        resolve_config("hybrid_tiny", "configs/nope.yaml")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["lr=fast"], "lr must be a non-negative number, got 'fast'"),
     (["val_size=-1"], "val_size must be a non-negative integer, got -1"),

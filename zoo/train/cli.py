@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--list-models", action="store_true",
                    help="list the registered models with their parameters and FLOPs per 32x32 image, and exit")
-    p.add_argument("--config", help="a YAML recipe file layered over configs/<model>.yaml (default: none)")
+    p.add_argument("--config", help="a YAML recipe file layered over configs/<model>.yaml, or a shipped one by name "
+                   "(cpu_budget, gpu_speedrun) (default: none)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key (dotted for nested: augment.mixup_alpha=0.2); repeatable")
     p.add_argument("--print-config", "--print_config", action="store_true",

@@ -256,12 +256,21 @@ def parse_set(items: list[str] | tuple[str, ...]) -> dict:
     return nest(flat)
 
 
+def config_path(path: str | Path) -> Path:
+    """``path``; where no such file exists but the package ships a recipe of that name (``configs/cpu_budget.yaml``,
+    ``cpu_budget``), the shipped one: the documented commands also work from an installed wheel, in any folder."""
+    given = Path(path).expanduser()
+    shipped = CONFIG_DIR / (given.name if given.suffix else given.name + ".yaml")
+    return shipped if not given.exists() and shipped.is_file() else given
+
+
 def resolve_config(model: str | None = None, config_file: str | Path | None = None, overrides=(),
                    flags: dict | None = None) -> Recipe:
     """The resolved recipe. ``flags`` holds explicit command-line values by (dotted) key, None = not given; the
     model comes from ``model``, else ``--set model=``, else the ``--config`` file."""
     from ..models import create_model, list_models
 
+    config_file = config_path(config_file) if config_file else None
     file_layer = load_yaml(config_file) if config_file else {}
     set_layer = parse_set(list(overrides))
     model = model or set_layer.get("model") or file_layer.get("model")
