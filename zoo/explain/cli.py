@@ -103,9 +103,10 @@ def main(argv=None) -> int:
     launched = one_device_under_launcher(args)
     if launched is not None:
         return launched
-    from zoo.explain.report import check_out_dir, compare_runs, evaluate_run
+    from zoo.explain.report import check_out_dir, check_out_is_folder, compare_runs, evaluate_run
 
     try:
+        check_out_is_folder(args.out)  # before any model is loaded or image read
         if args.bench_suite:
             from zoo.bench.suite import run_suite
 

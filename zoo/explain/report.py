@@ -47,10 +47,19 @@ def check_data_classes(meta: dict, data_dir: str | None = None) -> None:
                         f"{meta['num_classes']}")
 
 
+def check_out_is_folder(out: str | Path) -> None:
+    """``out`` must be a folder or not exist yet: a file there or above it -> ValueError naming it."""
+    out = Path(out).resolve()
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file; name a folder (it is created if needed)")
+
+
 def check_out_dir(out: str | Path) -> None:
-    """``out`` must not lie inside a run directory (config.yaml beside checkpoints/), except in that run's own
-    ``eval/`` folder: evaluation files would mix with the run's files (metrics.csv, checkpoints) or replace them.
-    Otherwise -> ValueError naming both folders."""
+    """``out`` must be a folder or not exist yet (``check_out_is_folder``), and must not lie inside a run directory
+    (config.yaml beside checkpoints/), except in that run's own ``eval/`` folder: evaluation files would mix with the
+    run's files (metrics.csv, checkpoints) or replace them (ValueError naming both folders)."""
+    check_out_is_folder(out)
     out = Path(out).resolve()
     for folder in (out, *out.parents):
         if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
