@@ -59,6 +59,22 @@ def test_sigkill_then_resume_auto_continues_the_same_run(base_args, tmp_path):
     assert min(steps) < killed_at
 
 
+def test_a_resume_with_fewer_epochs_than_the_run_has_trained_changes_nothing(base_args, tmp_path):
+    """Lightning refuses a checkpoint whose epoch is past max_epochs only once training starts, after the run's
+    config.yaml was rewritten; train.py refuses it first, in one line naming the flag."""
+    cmd = [*base_args, "--limit-train-batches", "1"]
+    first = subprocess.run([*cmd, "--epochs", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = Path(first.stdout.strip().splitlines()[-1])
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    done = subprocess.run([*cmd, "--epochs", "1", "--resume", str(run_dir)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].endswith("past --epochs 1; resume with --epochs 2 or more (its "
+                                                          "config.yaml), or start a new run"), done.stderr
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+
+
 @pytest.mark.parametrize("compile", [[], pytest.param(["--compile", "step"], marks=pytest.mark.slow)])
 def test_ddp_two_cpu_processes_leave_one_run(base_args, tmp_path, compile):
     cmd = [*base_args, "--epochs", "1", "--limit-train-batches", "2", "--accelerator", "cpu",

@@ -131,13 +131,19 @@ def find_run_dir(recipe: Recipe) -> tuple[Path, Path | None, bool]:
 
 def check_resume(recipe: Recipe, ckpt: Path) -> dict:
     """The checkpoint's hyper_parameters, after checking that it is a zoo training checkpoint of
-    ``recipe.model`` with the recipe's model arguments and image size; else ValueError (one line)."""
-    hp = load_checkpoint(ckpt).get("hyper_parameters") or {}
+    ``recipe.model`` with the recipe's model arguments and image size, saved at most ``recipe.epochs`` epochs in;
+    else ValueError (one line)."""
+    checkpoint = load_checkpoint(ckpt)
+    hp = checkpoint.get("hyper_parameters") or {}
     if "model_name" not in hp:
         raise ValueError(f"--resume {ckpt}: not a zoo training checkpoint (no hyper_parameters.model_name)")
     if hp["model_name"] != recipe.model:
         raise ValueError(f"--resume {ckpt}: that run trains {hp['model_name']}, not --model {recipe.model}; "
                          f"resume it with --model {hp['model_name']} or start a new run")
+    done = checkpoint.get("epoch") or 0  # Lightning's current_epoch when it saved, which it refuses above max_epochs
+    if done > recipe.epochs:
+        raise ValueError(f"--resume {ckpt}: the run is {done} epochs in, past --epochs {recipe.epochs}; resume with "
+                         f"--epochs {done} or more (its config.yaml), or start a new run")
     saved, wanted = dict(hp.get("model_args") or {}), {**recipe.model_args, "img_size": recipe.img_size}
     if saved != wanted:
         def shown(args: dict, key: str) -> str:
