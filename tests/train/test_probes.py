@@ -102,3 +102,30 @@ def test_train_records_the_measured_optimizer_and_a_resumed_run_keeps_it(cifar_d
     ckpt = torch.load(runs[0] / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert ckpt["hyper_parameters"]["optimizer"] == "muon" and ckpt["hyper_parameters"]["muon_dtype"] == "float32"
     assert ckpt["global_step"] == 2
+
+
+def test_the_probes_time_the_largest_step_the_run_takes(cifar_dir, tmp_path, capsys, monkeypatch):
+    """A batch_size above the training set is one step of the whole set: the probes time that, not batch_size
+    random images (for --batch-size 100000 those took all of a 24 GiB machine's memory before the first step)."""
+    seen = []
+
+    def optimizer_seconds(model, x, optimizers, precision, repeats=3):
+        seen.append(("optimizer", x.shape[0]))
+        return dict.fromkeys(optimizers, 1.0)
+
+    def faster(model, x, precisions, *args, **kwargs):
+        seen.append(("precision", x.shape[0]))
+        return "32"
+
+    monkeypatch.setenv("ZOO_NATIVE_BF16", "1")  # --precision auto measures on a CPU with native bf16
+    monkeypatch.setattr(probes, "optimizer_step_seconds", optimizer_seconds)
+    monkeypatch.setattr(probes, "faster_precision", faster)
+    args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--data-dir", str(cifar_dir), "--cache-dir",
+            str(tmp_path / "cache"), "--max-train-images", "64", "--max-test-images", "16", "--set", "val_size=16",
+            "--epochs", "1", "--limit-val-batches", "1", "--limit-test-batches", "1", "--precision", "auto",
+            "--set", "optimizer=muon_conv", "--set", "optimizer_min_speed=0.9", "--out", str(tmp_path / "runs")]
+    assert train.main([*args, "--batch-size", "100000"]) == 0, capsys.readouterr().err[-2000:]
+    assert seen == [("precision", 64 - 16), ("optimizer", 64 - 16)]  # the training images: all but val_size
+    seen.clear()
+    assert train.main([*args, "--batch-size", "16", "--limit-train-batches", "1"]) == 0
+    assert seen == [("precision", 16), ("optimizer", 16)]

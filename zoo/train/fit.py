@@ -160,12 +160,13 @@ def plan_run(recipe: Recipe) -> tuple[RunPlan, ImageDataModule]:
     chosen = {key: getattr(recipe, key) for key in ("precision", "muon_dtype", "optimizer")}
     if resume_from is not None:  # a resumed run keeps the choices it started with (config.yaml records them)
         chosen = {key: recorded_choice(run_dir, key, value, accelerator) for key, value in chosen.items()}
+    probed = replace(recipe, batch_size=min(recipe.batch_size, len(dm.train_dataset)))  # the largest step taken
     precision = resolve_precision(chosen["precision"], accelerator,
-                                  (lambda options: probe_precision(recipe, options)) if one_process else None)
+                                  (lambda options: probe_precision(probed, options)) if one_process else None)
     muon_dtype = resolve_muon_dtype(chosen["muon_dtype"], accelerator)
     optimizer = chosen["optimizer"]
     if resume_from is None and one_process and accelerator == "cpu":
-        optimizer = probe_optimizer(recipe, precision, muon_dtype)
+        optimizer = probe_optimizer(probed, precision, muon_dtype)
     resolved = replace(recipe, precision=precision, muon_dtype=muon_dtype, optimizer=optimizer,
                        compile=compile_for(recipe.compile, accelerator))
     budget_s = parse_max_time(recipe.max_time) if recipe.max_time else None
