@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--benchmark", action="store_true", help="inference / training images/s, latency, memory")
     p.add_argument("--results", metavar="DIR",
                    help="with --bench-suite: also record the measurement in DIR (results/) for the report")
-    p.add_argument("--precision", default="32", help="benchmark precision: 32, bf16-mixed, 16-mixed")
+    p.add_argument("--precision", default="32", choices=("32", "32-true", "bf16-mixed", "16-mixed"),
+                   help="benchmark precision (zoo.bench.timing.PRECISIONS)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda when a GPU is visible, else mps on Apple "
                    "silicon, else cpu)")
     args = p.parse_args(argv)
@@ -181,7 +182,7 @@ def one_device_under_launcher(args: argparse.Namespace) -> int | None:
         return None
     if environment.global_rank() != 0:
         return 0
-    mode = next(flag for flag in ("compare", "faithfulness", "bench_suite") if getattr(args, flag))
+    mode = next(flag for flag in ("compare", "faithfulness", "report", "bench_suite") if getattr(args, flag))
     print(f"eval.py --{mode.replace('_', '-')} runs on one device: rank 0 runs it, the other "
           f"{environment.world_size() - 1} processes exit")
     return None

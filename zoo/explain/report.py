@@ -119,7 +119,7 @@ def most_confused(matrix: torch.Tensor, class_names: Sequence[str], top: int = 5
 def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]:
     """Test-set metrics of ``model`` on ``dm`` (set up for "test"): ({"test_top1", "test_top5",
     "test_cross_entropy" (plain: no label smoothing, no test-time augmentation), "per_class_accuracy":
-    {name: fraction}, "most_confused": [...], "num_images"},
+    {name: fraction, None for a class none of the tested images holds}, "most_confused": [...], "num_images"},
     confusion matrix (C, C)). With a process group open, each rank evaluates its share of the test set
     (``dm.test_dataloader``) and every rank returns the metrics of the whole set."""
     device = next(model.parameters()).device
@@ -143,11 +143,12 @@ def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]
     matrix = confusion.compute().cpu()  # torchmetrics sums the ranks' matrices when a process group is open
     top1, top5, loss, count = _sum_over_ranks([*totals.tolist(), count], device)
     count = int(count)
-    per_class = matrix.diag().float() / matrix.sum(dim=1).clamp_min(1)
+    per_class = [None if n == 0 else right / n  # None: the tested images hold none of that class
+                 for right, n in zip(matrix.diag().tolist(), matrix.sum(dim=1).tolist(), strict=True)]
     metrics = {
         "num_images": count, "test_top1": top1 / count, "test_top5": top5 / count,
         "test_cross_entropy": loss / count,
-        "per_class_accuracy": dict(zip(dm.class_names, per_class.tolist(), strict=True)),
+        "per_class_accuracy": dict(zip(dm.class_names, per_class, strict=True)),
         "most_confused": most_confused(matrix, dm.class_names),
     }
     return metrics, matrix
@@ -339,7 +340,8 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
         })
         if grid is None:
             grid = (*spread_test_images(dm, grid_images), dm)
-        heatmaps[label] = explain(model, grid[2].normalize(grid[0]).to(device)).heatmap.cpu()
+        heatmap = explain(model, grid[2].normalize(grid[0]).to(device)).heatmap  # None: a model without attention
+        heatmaps[label] = None if heatmap is None else heatmap.cpu()
         model.cpu()  # the device holds one compared model at a time
     _write_table(rows, out)
     viz.save(viz.accuracy_throughput_figure([r["model"] for r in rows], [r["test_top1"] for r in rows],
