@@ -57,6 +57,15 @@ def load_source(source: str | Path):
     return load_shipped(source.removeprefix(PRETRAINED)) if source.startswith(PRETRAINED) else load_run(source)
 
 
+def source_labels(sources: Sequence, names: Sequence[str]) -> list[str]:
+    """Each source's label: its model's name; where two share a name, with the source's file or folder name
+    (``vit_nano (last.ckpt)``); where those are alike too, with the whole source."""
+    short = [name if names.count(name) == 1 else f"{name} ({Path(str(source)).name})"
+             for source, name in zip(sources, names, strict=True)]
+    return [label if short.count(label) == 1 else f"{name} ({source})"
+            for label, source, name in zip(short, sources, names, strict=True)]
+
+
 def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")
 
@@ -89,11 +98,9 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
         check_data_classes(meta, data_dir)
         if methods is not None:
             check_methods(model, methods)
-    names = [meta["model_name"] for _, meta in loaded]
+    model_labels = source_labels(sources, [meta["model_name"] for _, meta in loaded])
     rows, figures, sanity_found, counts = [], {}, {}, {}
-    for source, (model, meta) in zip(sources, loaded, strict=True):
-        name = meta["model_name"]
-        label = name if names.count(name) == 1 else f"{name} ({Path(str(source)).name})"
+    for source, label, (model, meta) in zip(sources, model_labels, loaded, strict=True):
         model.to(device).eval()
         dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, cache_dir=cache_dir)
         if str(source).startswith(PRETRAINED):  # normalised as the weights were trained

@@ -31,7 +31,14 @@ from ..train.device import eval_device
 from ..train.tta import tta_logits
 from . import figures as viz
 from . import leaderboard as board
-from .faithfulness_report import PRETRAINED, _slug, balanced_test_images, faithfulness_report, load_source
+from .faithfulness_report import (
+    PRETRAINED,
+    _slug,
+    balanced_test_images,
+    faithfulness_report,
+    load_source,
+    source_labels,
+)
 from .methods import applicable_methods, attribute
 from .report import data_module_for, evaluate
 
@@ -91,11 +98,9 @@ def html_report(sources: Sequence[str | Path], out: str | Path, *, data_dir: str
                                absolute_scale=True, batch_size=batch_size, device=device, cache_dir=cache_dir,
                                seed=seed, progress=progress)
     loaded = [load_source(s) for s in sources]
-    names = [meta["model_name"] for _, meta in loaded]
+    model_labels = source_labels(sources, [meta["model_name"] for _, meta in loaded])
     numbers, sections = {}, []
-    for source, (model, meta) in zip(sources, loaded, strict=True):
-        name = meta["model_name"]
-        label = name if names.count(name) == 1 else f"{name} ({Path(str(source)).name})"  # faithfulness_report's
+    for source, label, (model, meta) in zip(sources, model_labels, loaded, strict=True):
         model.to(eval_device(device)).eval()
         dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=accuracy_images,
                              cache_dir=cache_dir)
