@@ -192,6 +192,8 @@ EVAL_CASES = [
     ("num-images 0", ["--checkpoint", "{run}", "--num-images", "0"], r"--num-images must be >= 1, got 0"),
     ("batch-size 0", ["--checkpoint", "{run}", "--batch-size", "0"], r"--batch-size must be >= 1, got 0"),
     ("no --out", ["--checkpoint", "{run}", "--out"], r"argument --out: expected one argument"),
+    ("precision bf16", ["--checkpoint", "{run}", "--benchmark", "--precision", "bf16"],
+     r"argument --precision: invalid choice: 'bf16'"),
     ("out is a file", ["--pretrained", "vit_nano", "--out", "{tmp}/FILE"], r"--out .*FILE is a file; name a folder"),
     ("out under a file", ["--faithfulness", "{run}", "--out", "{tmp}/FILE/compare"],
      r"--out .*FILE/compare: .*FILE is a file"),

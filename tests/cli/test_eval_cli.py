@@ -168,3 +168,55 @@ def test_most_confused_pairs():
         {"true": "a", "predicted": "b", "count": 3, "fraction": 3 / 8},
         {"true": "b", "predicted": "a", "count": 1, "fraction": 1 / 8},
     ]
+
+
+def test_a_model_without_attention_is_compared_beside_the_attention_models(tiny_run, cifar_dir, tmp_path, capsys):
+    """A CNN has no attention to roll out: the comparison still writes its table and grid (its row: no map)."""
+    spec = importlib.util.spec_from_file_location("train_cli", REPO / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    assert train.main(["--model", "resnet18", "--data-dir", str(cifar_dir), "--epochs", "1", "--max-train-images",
+                       "64", "--max-test-images", "16", "--limit-train-batches", "1", "--limit-val-batches", "1",
+                       "--batch-size", "16", "--set", "val_size=16", "--out", str(tmp_path / "runs"),
+                       "--cache-dir", str(tmp_path / "cache")]) == 0
+    cnn = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    out = tmp_path / "compare"
+    assert eval_cli.main(["--compare", str(tiny_run), str(cnn), "--out", str(out), "--batch-size", "16",
+                          "--deletion-images", "4", "--cache-dir", str(tmp_path / "cache")]) == 0
+    with (out / "compare.csv").open() as f:
+        assert [row["model"].split()[0] for row in csv.DictReader(f)] == ["vit_nano", "resnet18"]
+    assert (out / "rollout_grid.png").stat().st_size > 0
+
+
+def test_sources_of_one_model_get_labels_apart():
+    from zoo.explain.faithfulness_report import source_labels
+
+    assert source_labels(["a/x/last.ckpt", "runs/y", "pretrained:hybrid_tiny"], ["vit_nano", "vit_nano",
+                                                                                "hybrid_tiny"]) == [
+        "vit_nano (last.ckpt)", "vit_nano (y)", "hybrid_tiny"]
+    assert source_labels(["a/checkpoints/last.ckpt", "b/checkpoints/last.ckpt"], ["vit_nano"] * 2) == [
+        "vit_nano (a/checkpoints/last.ckpt)", "vit_nano (b/checkpoints/last.ckpt)"]
+
+
+def test_a_class_with_no_tested_image_has_no_accuracy(cifar_dir, tmp_path):
+    """5 test images hold at most 5 of the 10 classes: the others' accuracy is null, not 0.0 (valid JSON)."""
+    out = tmp_path / "eval"
+    assert eval_cli.main(["--pretrained", "vit_nano", "--data-dir", str(cifar_dir), "--max-test-images", "5",
+                          "--out", str(out), "--cache-dir", str(tmp_path / "cache")]) == 0
+    text = (out / "metrics.json").read_text()
+    per_class = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in metrics.json"))[
+        "per_class_accuracy"]
+    tested = {name: value for name, value in per_class.items() if value is not None}
+    assert 1 <= len(tested) <= 5 and all(0.0 <= value <= 1.0 for value in tested.values())
+
+
+def test_every_one_device_mode_runs_on_rank_zero_under_torchrun(monkeypatch, capsys):
+    from zoo.explain import cli
+
+    for name, value in dict(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                            TORCHELASTIC_RUN_ID="x", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555").items():
+        monkeypatch.setenv(name, value)
+    for mode in (["--compare", "a", "b"], ["--faithfulness", "a"], ["--report", "pretrained:vit_nano"],
+                 ["--bench-suite"]):
+        assert cli.one_device_under_launcher(cli.parse_args([*mode, "--out", "o"])) is None
+        assert f"eval.py {mode[0]} runs on one device: rank 0 runs it" in capsys.readouterr().out

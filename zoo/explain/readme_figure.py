@@ -50,7 +50,7 @@ def readme_figure(data_dir: str | None, out: str | Path, *, num_images: int = 5,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m zoo.explain.readme_figure", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-dir", help="CIFAR-10 folder (default: ZOO_DATA_DIR, then the usual places)")
+    p.add_argument("--data-dir", help="CIFAR-10 folder (default: ./data, CIFAR-10 downloaded there if missing)")
     p.add_argument("--out", default="docs/figure.png", help="the PNG to write")
     p.add_argument("--num-images", type=int, default=5, help="test images, spread over the classes")
     args = p.parse_args(argv)

@@ -27,8 +27,8 @@ def layout_error(root: Path, problem: str) -> DataError:
     """A DataError saying ``problem`` and which layouts of ``root`` would have been read."""
     return DataError(
         f"{problem}; expected {root}/train/<class>/<images> and {root}/test/<class>/<images> (ImageFolder) "
-        f"or {root}/{CIFAR_DIR} (CIFAR-10 python batches): pass --download (download=True) to fetch "
-        f"CIFAR-10 there, or copy CIFAR-10 into {root}/{CIFAR_DIR}"
+        f"or {root}/{CIFAR_DIR} (CIFAR-10 python batches): fetch CIFAR-10 there with train.py --download "
+        f"(download=True), or copy CIFAR-10 into {root}/{CIFAR_DIR}"
     )
 
 
