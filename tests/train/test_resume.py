@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,9 +60,10 @@ def test_sigkill_then_resume_auto_continues_the_same_run(base_args, tmp_path):
     assert min(steps) < killed_at
 
 
-def test_a_resume_with_fewer_epochs_than_the_run_has_trained_changes_nothing(base_args, tmp_path):
-    """Lightning refuses a checkpoint whose epoch is past max_epochs only once training starts, after the run's
-    config.yaml was rewritten; train.py refuses it first, in one line naming the flag."""
+def test_a_resume_of_a_finished_run_keeps_its_results(base_args, tmp_path):
+    """Fewer --epochs than the run has trained: Lightning refuses that only once training starts, after the run's
+    config.yaml was rewritten; train.py refuses it first, in one line naming the flag. As many: nothing to train,
+    and the run's summary.json stays as the run wrote it."""
     cmd = [*base_args, "--limit-train-batches", "1"]
     first = subprocess.run([*cmd, "--epochs", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -73,6 +75,12 @@ def test_a_resume_with_fewer_epochs_than_the_run_has_trained_changes_nothing(bas
     assert done.stderr.strip().splitlines()[-1].endswith("past --epochs 1; resume with --epochs 2 or more (its "
                                                           "config.yaml), or start a new run"), done.stderr
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+    summary = (run_dir / "summary.json").read_bytes()
+    again = subprocess.run([*cmd, "--epochs", "2", "--resume", "auto"], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=300)  # the finished run: nothing left to train
+    assert again.returncode == 0 and "the run had finished" in again.stdout, again.stderr[-3000:]
+    assert (run_dir / "summary.json").read_bytes() == summary  # its test numbers kept, not a 0-step rerun's
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["resume"] is None  # the recipe, not the action
 
 
 @pytest.mark.parametrize("compile", [[], pytest.param(["--compile", "step"], marks=pytest.mark.slow)])

@@ -64,6 +64,7 @@ from .runs import (
     AtomicCheckpointIO,
     RunLock,
     check_resume_data,
+    checkpoint_step,
     create_run_dir,
     find_run_dir,
     recorded_choice,
@@ -184,7 +185,8 @@ def report_auto_devices(recipe: Recipe, accelerator: str, world_size: int) -> No
 
 def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
     """Fit, test the best checkpoint and write summary.json; a new run that ends before its first optimizer
-    step (a time budget too small for one) -> ValueError."""
+    step (a time budget too small for one) -> ValueError; a finished run resumed with nothing left to train keeps
+    its test and summary.json."""
     pl.seed_everything(plan.recipe.seed, workers=True, verbose=False)
     if plan.accelerator == "gpu":  # fp32 matmuls on tensor cores (TF32), as --precision 32 users of a GPU expect
         torch.set_float32_matmul_precision("high")
@@ -192,9 +194,14 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
     module = build_module(plan, dm)
     callbacks = build_callbacks(plan, spent_s=plan.setup_s + time.perf_counter() - start)
     trainer = build_trainer(plan, callbacks)
+    resumed_at = checkpoint_step(plan.resume_from) if plan.resume_from else None
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=str(plan.resume_from) if plan.resume_from else None)
     fit_s = time.perf_counter() - start
+    if trainer.global_step == resumed_at and (plan.run_dir / "summary.json").is_file():  # a finished run: kept
+        print(f"the run had finished ({resumed_at} steps, {trainer.current_epoch} epochs): nothing to train, its "
+              f"test and summary.json kept; give more --epochs to train it on")
+        return plan.run_dir
     if trainer.global_step == 0:
         raise ValueError(f"training ended before its first optimizer step (--max-time {plan.recipe.max_time}, "
                          f"--limit-train-batches {plan.recipe.limit_train_batches}): nothing to save")

@@ -9,6 +9,7 @@ import os
 import secrets
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -126,6 +127,9 @@ def find_run_dir(recipe: Recipe) -> tuple[Path, Path | None, bool]:
     else:
         return model_dir / new_run_id(), None, True
     check_resume(recipe, ckpt)
+    if ckpt.parent.name != "checkpoints":  # a run directory holds it in checkpoints/: any other folder is not one
+        raise ValueError(f"--resume {resume}: a checkpoint outside a run directory's checkpoints/ folder; pass "
+                         f"its run directory, or start a new run from its weights with --init-from {resume}")
     return run_dir, ckpt, False
 
 
@@ -238,7 +242,8 @@ def create_run_dir(recipe: Recipe, run_dir: Path) -> Path | None:
     except OSError as err:
         raise ValueError(f"cannot write the run directory {run_dir} (--out {recipe.out}): {err.strerror}") from None
     os.environ[RUN_DIR_ENV] = str(run_dir)
-    atomic_write(run_dir / "config.yaml", lambda f: f.write(recipe.to_yaml().encode()))
+    recorded = replace(recipe, resume=None)  # the recipe, not this command's action: rerunning it starts a new run
+    atomic_write(run_dir / "config.yaml", lambda f: f.write(recorded.to_yaml().encode()))
     return created
 
 
