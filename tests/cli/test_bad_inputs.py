@@ -56,6 +56,8 @@ def places(tiny_run, cifar_dir, tmp_path_factory) -> dict[str, str]:
     (root / "bad.yaml").write_text("lr: [1, 2\n")
     (root / "list.yaml").write_text("- 1\n- 2\n")
     (root / "FILE").write_text("")
+    (root / "loose").mkdir()
+    shutil.copy(run / "checkpoints" / "last.ckpt", root / "loose" / "last.ckpt")  # outside a run's checkpoints/
     return {"run": str(run), "runs": str(root / "runs"), "ckpt": str(run / "checkpoints" / "best.ckpt"),
             "data": str(cifar_dir), "two": str(two), "tmp": str(root), "cache": str(root / "cache")}
 
@@ -146,6 +148,9 @@ RESUME_CASES = [
     ("foreign checkpoint", ["--model", "vit_nano", "--resume", "{tmp}/foreign.ckpt"], r"not a zoo training checkpoint"),
     ("truncated checkpoint", ["--model", "vit_nano", "--resume", "{tmp}/truncated.ckpt"],
      r"not a readable PyTorch checkpoint"),
+    ("a checkpoint outside a run", ["--model", "vit_nano", "--resume", "{tmp}/loose/last.ckpt"],
+     r"a checkpoint outside a run directory's checkpoints/ folder; pass its run directory, or start a new run "
+     r"from its weights with --init-from"),
 ]
 
 

@@ -142,6 +142,25 @@ def test_a_shipped_recipe_is_found_by_name_from_any_folder(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("overrides, message", [
+    (["model_args.num_classes=10"], "model_args.num_classes is not a recipe setting: the data's classes set it"),
+    (["model_args.img_size=64"], "model_args.img_size is not a recipe setting: give img_size"),
+    (["max_time=0:0:10:0"], "--max-time expects DD:HH:MM:SS (e.g. 00:00:10:00), got '0:0:10:0'"),
+    (["limit_train_batches=2.5"], "limit_train_batches must be a batch limit: an integer (batches) or a fraction"),
+])
+def test_settings_lightning_or_the_model_would_refuse_later_are_refused_at_once(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve_config("vit_tiny", overrides=overrides)
+
+
+def test_a_config_key_that_is_not_text_is_an_unknown_key(tmp_path):
+    config = tmp_path / "keys.yaml"
+    config.write_text("augment: {1: 2}\n")
+    with pytest.raises(ValueError, match=re.escape(f"unknown config key augment.1 in {config}; valid keys: ")):
+        resolve_config("vit_tiny", config)
+    assert resolve_config("vit_tiny", overrides=["limit_train_batches=2.0"]).limit_train_batches == 2.0
+
+
+@pytest.mark.parametrize("overrides, message", [
     (["lr=fast"], "lr must be a non-negative number, got 'fast'"),
     (["val_size=-1"], "val_size must be a non-negative integer, got -1"),
     (["batch_size=0.5"], "batch_size must be a positive integer, got 0.5"),

@@ -82,7 +82,7 @@ def limit_check(key: str, value) -> int | float | None:
         limit = parse_limit(value)
     except ValueError:
         limit = -1
-    if limit is not None and (isinstance(limit, bool) or limit < 0):
+    if limit is not None and (isinstance(limit, bool) or limit < 0 or limit > 1 and limit % 1):  # 2.5: neither
         raise ValueError(f"{key} must be a batch limit: an integer (batches) or a fraction like 0.25, "
                          f"got {value!r}")
     return limit
@@ -90,7 +90,7 @@ def limit_check(key: str, value) -> int | float | None:
 
 def parse_max_time(value: str) -> float:
     """Lightning's ``DD:HH:MM:SS`` -> seconds."""
-    match = re.fullmatch(r"(\d+):(\d+):(\d+):(\d+)", str(value).strip())
+    match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", str(value).strip())  # Lightning's Timer reads these
     if not match:
         raise ValueError(f"--max-time expects DD:HH:MM:SS (e.g. 00:00:10:00), got {value!r}")
     days, hours, minutes, seconds = map(int, match.groups())

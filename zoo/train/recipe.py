@@ -156,6 +156,10 @@ class Recipe(_Checked):
             raise ValueError(f"augment.cutout must be at most img_size ({self.img_size}), got {self.augment.cutout}")
         if self.model in list_models():
             check_model_args(self.model, self.model_args, prefix="model_args.")
+        for key, instead in (("num_classes", "the data's classes set it"), ("img_size", "give img_size, which the "
+                                                                             "data and the model share")):
+            if key in self.model_args:  # a constructor argument the run sets itself
+                raise ValueError(f"model_args.{key} is not a recipe setting: {instead}")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Recipe:
@@ -191,8 +195,8 @@ def _check_keys(cls, layer: Mapping, source: str, prefix: str = "") -> None:
     for key, value in layer.items():
         if key not in by_name:
             valid = ", ".join(prefix + name for name in sorted(by_name))
-            raise ValueError(f"unknown config key {prefix + key if prefix else repr(key)} in {source}; valid keys: "
-                             f"{valid}")
+            shown = f"{prefix}{key}" if prefix else repr(key)
+            raise ValueError(f"unknown config key {shown} in {source}; valid keys: {valid}")
         nested = by_name[key].metadata.get("nested")
         if nested and value is not None and not isinstance(value, (Mapping, nested)):
             raise ValueError(f"config key {prefix + key!r} in {source} must be a mapping, got {value!r}")
