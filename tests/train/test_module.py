@@ -215,6 +215,18 @@ def test_init_from_a_timm_vit_state_dict_at_another_img_size(tmp_path):
         load_pretrained(zoo.create_model("resnet18"), tmp_path / "timm_vit.pth")
 
 
+def test_init_from_a_vit_of_another_width_skips_its_position_embedding(tmp_path):
+    """A pos_embed of another embedding width cannot be resampled into the model: it is skipped with the other
+    mismatched tensors (--init-partial then loads the rest), not loaded into a size-mismatch error."""
+    from zoo.models.checkpoints import load_pretrained
+
+    narrow, wide = zoo.create_model("vit_nano", depth=1), zoo.create_model("vit_tiny", depth=1)
+    assert narrow.pos_embed.shape[-1] != wide.pos_embed.shape[-1]
+    torch.save(narrow.state_dict(), tmp_path / "narrow.pth")
+    same_width = {k for k, v in narrow.state_dict().items() if v.shape == wide.state_dict()[k].shape}
+    assert set(load_pretrained(wide, tmp_path / "narrow.pth")) == same_width and "pos_embed" not in same_width
+
+
 def test_fit_whitening_sets_the_filters_from_images_and_they_are_saved():
     module = ImageClassifier("hybrid_tiny", {}, num_classes=10)
     (layer,) = module.whitening_layers

@@ -107,12 +107,14 @@ def checkpoint_weights(path: str | Path) -> dict:
 
 
 def matching_weights(model: nn.Module, source: dict) -> dict[str, torch.Tensor]:
-    """The tensors of ``source`` whose name and shape match ``model``'s (a learned ``pos_embed`` of any grid).
-    A checkpoint of the hook-based first ``add_cbam`` names its CBAM weights otherwise: they are renamed."""
+    """The tensors of ``source`` whose name and shape match ``model``'s (a learned ``pos_embed`` of any grid of
+    the model's width, which loading resamples). A checkpoint of the hook-based first ``add_cbam`` names its CBAM
+    weights otherwise: they are renamed."""
     source = current_cbam_keys(model, source)
     target = model.state_dict()
     return {k: v for k, v in source.items() if isinstance(v, torch.Tensor) and k in target
-            and (v.shape == target[k].shape or k == "pos_embed")}
+            and (v.shape == target[k].shape or k == "pos_embed" and v.ndim == target[k].ndim
+                 and v.shape[-1] == target[k].shape[-1])}
 
 
 def load_pretrained(model: nn.Module, path: str | Path) -> list[str]:
