@@ -1,6 +1,6 @@
 """Crash-safe file writes: the new content goes to a temporary file beside the target, is fsynced, and is
 renamed over the target (``os.replace`` is atomic on POSIX), so a process killed mid-write leaves the old
-file intact. Used for checkpoints, summary and other JSON files, CSV tables and the data cache."""
+file intact. Used for checkpoints, summary and other JSON files, CSV tables, reports, figures and the data cache."""
 
 from __future__ import annotations
 
@@ -39,10 +39,15 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
         raise
 
 
-def atomic_write_csv(path: str | Path, fieldnames: Sequence[str], rows: Iterable[Mapping]) -> None:
-    """A CSV file (header, then ``rows``) written whole through ``atomic_write``."""
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """``text`` (UTF-8) written whole through ``atomic_write``."""
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def atomic_write_csv(path: str | Path, fieldnames: Sequence[str], rows: Iterable[Mapping], **options) -> None:
+    """A CSV file (header, then ``rows``) written whole through ``atomic_write``; ``options``: csv.DictWriter's."""
     text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=list(fieldnames))
+    writer = csv.DictWriter(text, fieldnames=list(fieldnames), **options)
     writer.writeheader()
     writer.writerows(rows)
     atomic_write(path, lambda f: f.write(text.getvalue().encode()))

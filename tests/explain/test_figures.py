@@ -112,3 +112,22 @@ def test_methods_grid_marks_min_max_scaling_and_has_absolute_colour_bars(tmp_pat
     bars = [ax for ax in absolute.axes if ax.get_label() == "<colorbar>"]
     assert len(bars) == 2 and bars[0].get_ylim()[1] == pytest.approx(heatmaps["rollout"].max().item(), rel=1e-5)
     saved_png(absolute, tmp_path)
+
+
+def test_a_figure_that_fails_to_render_leaves_the_saved_one(tmp_path):
+    """save() writes beside the file and renames: a failure part-way leaves the old PNG whole and no stray file;
+    a file named .svg is an SVG, as matplotlib's own savefig makes it."""
+    path = viz.save(viz.confusion_matrix_figure(torch.eye(10, dtype=torch.long), NAMES), tmp_path / "m.png")
+    before = path.read_bytes()
+    fig = viz.confusion_matrix_figure(torch.ones(10, 10, dtype=torch.long), NAMES)
+
+    def torn(f, **kwargs):
+        f.write(b"\x89PNG partial")
+        raise KeyboardInterrupt  # a run stopped while the figure was written
+
+    fig.savefig = torn
+    with pytest.raises(KeyboardInterrupt):
+        viz.save(fig, path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
+    svg = viz.save(viz.confusion_matrix_figure(torch.eye(10, dtype=torch.long), NAMES), tmp_path / "m.svg")
+    assert "<svg" in svg.read_text()[:2000]

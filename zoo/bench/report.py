@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..atomic import atomic_write_text
 from . import results as R
 from .report_tables import (
     MODEL_ORDER,
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
             print(f"{path} is out of date: run python -m zoo.bench.report", file=sys.stderr)
         return 1 if stale else 0
     for path in stale:
-        path.write_text(wanted[path])
+        atomic_write_text(path, wanted[path])
         print(f"wrote {path}")
     return 0
 

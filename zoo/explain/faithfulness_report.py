@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_write_text
 from ..models.checkpoints import load_run, load_shipped
 from ..train.data import ImageDataModule
 from ..train.device import eval_device
@@ -127,7 +128,7 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
         model.cpu()  # the device holds one scored model at a time
     out.mkdir(parents=True, exist_ok=True)
     board.write_csv(rows, out / "faithfulness.csv")
-    (out / "faithfulness.md").write_text(faithfulness_markdown(rows, counts, sanity_found))
+    atomic_write_text(out / "faithfulness.md", faithfulness_markdown(rows, counts, sanity_found))
     for file, fig in figures.items():
         viz.save(fig, out / file)
     return rows

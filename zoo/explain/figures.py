@@ -20,6 +20,8 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize, PowerNorm
 from matplotlib.figure import Figure
 
+from ..atomic import atomic_write
+
 HEATMAP_CMAP = "jet"
 
 
@@ -30,10 +32,11 @@ def _subplots(nrows: int = 1, ncols: int = 1, *, squeeze: bool = True, figsize=N
 
 
 def save(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
-    """Write ``fig`` as a PNG (parent folders created). Returns the path."""
+    """Write ``fig`` as a PNG, or in the format the file's suffix names (parent folders created; atomically: a
+    killed run leaves the old file). Returns the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    kind = path.suffix.lstrip(".").lower() or "png"
+    atomic_write(path, lambda f: fig.savefig(f, format=kind, dpi=dpi, bbox_inches="tight"))
     return path
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
 from ..bench.timing import measure_inference, measure_training
 from ..models.registry import model_info
 from ..train.device import eval_device
@@ -125,7 +125,7 @@ def html_report(sources: Sequence[str | Path], out: str | Path, *, data_dir: str
                         f'<img alt="{html.escape(label)} curves" src="{curves_uri}">')
     atomic_write_json(out / "metrics.json", numbers)
     path = out / "report.html"
-    path.write_text(_page(numbers, rows, sections, measured_on(eval_device(device))))
+    atomic_write_text(path, _page(numbers, rows, sections, measured_on(eval_device(device))))
     return path
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_write_csv
 from .methods import BASELINES, applicable_methods, attribute
 from .perturbation import (
     FRACTIONS,
@@ -161,10 +162,7 @@ def best_method(rows: Iterable[dict], model: str) -> dict | None:
 
 
 def write_csv(rows: Iterable[dict], path: str | Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="nan")  # a p value a row lacks: NaN
-        writer.writeheader()
-        writer.writerows(rows)
+    atomic_write_csv(path, COLUMNS, rows, restval="nan")  # a p value a row lacks: NaN
 
 
 def read_csv(path: str | Path) -> list[dict]:

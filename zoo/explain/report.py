@@ -7,7 +7,6 @@ splits the test set among the processes (contiguous, unpadded shards: each image
 
 from __future__ import annotations
 
-import csv
 import json
 import sys
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
 from tqdm import tqdm
 
-from ..atomic import atomic_write_json
+from ..atomic import atomic_write_csv, atomic_write_json, atomic_write_text
 from ..bench.timing import benchmark_model, measure_inference
 from ..models.checkpoints import load_run, load_shipped
 from ..train.data import DataError, ImageDataModule, data_class_names
@@ -354,12 +353,8 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
 
 
 def _write_table(rows: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     columns = list(rows[0])
-    with (out / "compare.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+    atomic_write_csv(out / "compare.csv", columns, rows)
 
     def cell(value) -> str:
         if isinstance(value, float):
@@ -371,4 +366,4 @@ def _write_table(rows: list[dict], out: Path) -> None:
     note = ("\nAccuracies are fractions of the test set. Deletion AUC: area under top-1 vs fraction of 8x8 "
             "patches blanked, most important first (lower = more faithful explanation). faithfulness_best: the best "
             "method of the faithfulness.csv (eval.py --faithfulness) in the run directory or this folder.\n")
-    (out / "compare.md").write_text("\n".join(lines) + "\n" + note)
+    atomic_write_text(out / "compare.md", "\n".join(lines) + "\n" + note)
