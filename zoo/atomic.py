@@ -50,12 +50,12 @@ def atomic_write_csv(path: str | Path, fieldnames: Sequence[str], rows: Iterable
     writer = csv.DictWriter(text, fieldnames=list(fieldnames), **options)
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write(path, lambda f: f.write(text.getvalue().encode()))
+    atomic_write_text(path, text.getvalue())
 
 
 def atomic_write_json(path: str | Path, data) -> None:
     """``data`` as indented JSON (and a final newline) written whole through ``atomic_write``."""
-    atomic_write(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 @contextlib.contextmanager

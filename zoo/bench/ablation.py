@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..atomic import atomic_write, atomic_write_csv
+from ..atomic import atomic_write_csv, atomic_write_text
 from . import results
 
 # name -> the --set overrides that make it from the recipe; "recipe" is the recipe itself.
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
                                                      command=results.command_line("zoo.bench.ablation", argv)),
                                     args.results))
             atomic_write_csv(table, FIELDS, rows)  # rewritten whole after each run: a stop loses no row
-            atomic_write(args.out / "ablation.md", lambda f: f.write(ablation_table(rows).encode()))
+            atomic_write_text(args.out / "ablation.md", ablation_table(rows))
             print(f"{variant} seed {seed}: test top-1 {rows[-1]['test_top1_tta']:.4f} (TTA), "
                   f"{rows[-1]['test_top1_plain']:.4f} (plain)", flush=True)
     print(ablation_table(rows))

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write, atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: train.py, tests/ and configs/ live here
 TARGETS = (0.90, 0.94)  # validation top-1 whose wall time the speedrun reports
@@ -282,7 +282,7 @@ def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = Fals
         else:
             _step(report, name, fn)
         atomic_write_json(out / "gpu_check.json", report)
-        atomic_write(out / "gpu_check.md", lambda f: f.write(markdown(report).encode()))
+        atomic_write_text(out / "gpu_check.md", markdown(report))
     return report
 
 

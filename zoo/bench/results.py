@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write_text
 
 KINDS = ("train", "shipped", "model_info", "modes", "optimizer_cost", "muon", "suite", "sparse", "faithfulness",
          "gpu")
@@ -217,7 +217,7 @@ def write(result: dict, folder: str | Path) -> Path:
     while path.exists() and path.read_text() != text:
         k += 1
         path = folder / f"{stem}-{k}.json"
-    atomic_write(path, lambda f: f.write(text.encode()))
+    atomic_write_text(path, text)
     return path
 
 

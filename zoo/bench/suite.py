@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from timm.layers import to_2tuple
 from torch import nn
 
-from ..atomic import atomic_write, atomic_write_json
+from ..atomic import atomic_write_json, atomic_write_text
 from ..layers.attention import MultiHeadAttention
 from ..layers.masks import sliding_window_mask, spec
 from ..models import create_model, list_models, model_info
@@ -395,4 +395,4 @@ def _write(out: Path, results: dict) -> None:
     from outside keeps them)."""
     atomic_write_json(out / "bench.json", results)
     sections = [f"## {k}\n\n{_table(v if isinstance(v, list) else [v])}\n" for k, v in results.items()]
-    atomic_write(out / "bench.md", lambda f: f.write("\n".join(sections).encode()))
+    atomic_write_text(out / "bench.md", "\n".join(sections))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import atomic_write, atomic_write_json
+from ..atomic import atomic_write, atomic_write_json, atomic_write_text
 from ..models.checkpoints import load_run
 from ..models.hub import HUB_README, hub_config, hub_readme
 from ..models.registry import HUB_CONFIG, HUB_WEIGHTS, WEIGHTS_DIR, model_info
@@ -90,7 +90,7 @@ def write_hub_folder(out_dir: str | Path, weights: bytes, card: dict) -> Path:
     out_dir = Path(out_dir)
     atomic_write(out_dir / HUB_WEIGHTS, lambda f: f.write(weights))
     atomic_write_json(out_dir / HUB_CONFIG, hub_config(card))
-    atomic_write(out_dir / HUB_README, lambda f: f.write(hub_readme(card).encode()))
+    atomic_write_text(out_dir / HUB_README, hub_readme(card))
     return out_dir
 
 

@@ -18,7 +18,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from ..atomic import atomic_write, atomic_write_csv, fcntl
+from ..atomic import atomic_write, atomic_write_csv, atomic_write_text, fcntl
 from ..models.checkpoints import load_checkpoint
 from ..models.run_files import read_metrics, read_summary
 from .distributed import is_global_zero
@@ -243,7 +243,7 @@ def create_run_dir(recipe: Recipe, run_dir: Path) -> Path | None:
         raise ValueError(f"cannot write the run directory {run_dir} (--out {recipe.out}): {err.strerror}") from None
     os.environ[RUN_DIR_ENV] = str(run_dir)
     recorded = replace(recipe, resume=None)  # the recipe, not this command's action: rerunning it starts a new run
-    atomic_write(run_dir / "config.yaml", lambda f: f.write(recorded.to_yaml().encode()))
+    atomic_write_text(run_dir / "config.yaml", recorded.to_yaml())
     return created
 
 
