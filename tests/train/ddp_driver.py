@@ -59,6 +59,7 @@ def train(argv: list[str]) -> int:
     from zoo.train.callbacks import TimeBudget
 
     build_callbacks, write_json, write = fit.build_callbacks, fit.atomic_write_json, runs.atomic_write
+    write_text = runs.atomic_write_text  # config.yaml
 
     def with_recorder(plan, spent_s=0.0):
         callbacks = build_callbacks(plan, spent_s)
@@ -77,6 +78,7 @@ def train(argv: list[str]) -> int:
         return write_logged
 
     fit.build_callbacks, fit.atomic_write_json, runs.atomic_write = with_recorder, logged(write_json), logged(write)
+    runs.atomic_write_text = logged(write_text)
     return cli.main(argv)
 
 
