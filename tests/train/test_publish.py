@@ -50,3 +50,24 @@ def test_publish_of_a_missing_run_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("publish: error:") and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_publish_onto_a_published_folder_is_refused_unless_force(tiny_run, cifar_dir, tmp_path, capsys):
+    """A folder already holding a model card is left byte for byte as it was (one line naming --force, exit 2,
+    before the test set is read); with force its files are replaced by the run's."""
+    out = tmp_path / "published"
+    out.mkdir()
+    (out / "README.md").write_text("my model card\n")
+    (out / "notes.txt").write_text("mine\n")
+    assert publish_main([str(tiny_run), "--command", "x", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("publish: error:") and len(err.strip().splitlines()) == 1 and "--force" in err
+    assert "README.md" in err and sorted(p.name for p in out.iterdir()) == ["README.md", "notes.txt"]
+    assert (out / "README.md").read_text() == "my model card\n"
+    with pytest.raises(ValueError, match="--force"):
+        publish_run(tiny_run, out, data_dir=cifar_dir, cache_dir=tmp_path / "cache", max_test_images=32)
+    card = publish_run(tiny_run, out, data_dir=cifar_dir, command="x", cache_dir=tmp_path / "cache",
+                       max_test_images=32, force=True)
+    assert (out / "README.md").read_text().startswith("---\n") and (out / "notes.txt").read_text() == "mine\n"
+    assert json.loads((out / "config.json").read_text())["model_card"] == card
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "notes.txt"]

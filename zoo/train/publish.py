@@ -1,7 +1,8 @@
 """Sharing a trained run's weights: ``publish_run`` evaluates a run's model on the whole test set (without and
 with test-time augmentation) and writes a folder in the Hugging Face Hub's layout (``zoo.models.hub``):
 config.json with the pretrained cfg and the model card (recipe, command, machine, wall time, accuracies, params,
-FLOPs, the training data's mean / std), model.safetensors and a README.md model card, each atomically.
+FLOPs, the training data's mean / std), model.safetensors and a README.md model card, each atomically; a folder that
+already holds any of them is refused unless ``force`` (``--force``).
 ``timm.create_model("local-dir:" + folder, pretrained=True)`` loads it (after ``import zoo``), and so does
 ``hf-hub:USER/REPO`` once the folder is uploaded (``huggingface_hub.upload_folder``). Maintainers ship weights with
 ``--ship``: the folder goes to ``zoo/weights/<model>/``, which ``zoo.create_model(name, pretrained=True)`` reads.
@@ -84,6 +85,15 @@ def build_card(model: nn.Module, meta: dict, dm: ImageDataModule, command: str) 
     }
 
 
+def check_out_dir(out_dir: str | Path, force: bool = False) -> None:
+    """``out_dir`` holding a published model's files (config.json, model.safetensors, README.md) -> ValueError
+    naming them and ``--force``, unless ``force``."""
+    held = [name for name in (HUB_CONFIG, HUB_WEIGHTS, HUB_README) if (Path(out_dir) / name).exists()]
+    if held and not force:
+        raise ValueError(f"{out_dir} already holds {', '.join(held)}: pass --force to replace them, or another "
+                         "--out")
+
+
 def write_hub_folder(out_dir: str | Path, weights: bytes, card: dict) -> Path:
     """Write ``out_dir/{config.json, model.safetensors, README.md}`` (each file atomically) and return out_dir;
     ``weights`` is the safetensors file's content."""
@@ -96,13 +106,15 @@ def write_hub_folder(out_dir: str | Path, weights: bytes, card: dict) -> Path:
 
 def publish_run(run_dir: str | Path, out_dir: str | Path, *, data_dir: str | Path | None = None,
                 command: str | None = None, cache_dir: str | Path | None = None,
-                max_test_images: int | None = None) -> dict:
+                max_test_images: int | None = None, force: bool = False) -> dict:
     """Write ``out_dir/{config.json, model.safetensors, README.md}`` for the run in ``run_dir`` (its best
     checkpoint), evaluated on the test split of ``data_dir`` (default: the run's; ``max_test_images``: a
     seeded subset, for tests); ``command``: how it was trained (default: the run's ``train.py --config``
-    with its config.yaml). Returns the model card."""
+    with its config.yaml). An ``out_dir`` that already holds any of those files -> ValueError before anything is
+    read, unless ``force``. Returns the model card."""
     from safetensors.torch import save
 
+    check_out_dir(out_dir, force)
     model, meta = load_run(run_dir)
     data_dir = data_dir or meta["config"].get("data_dir")
     if data_dir is None:
@@ -127,11 +139,16 @@ def main(argv=None) -> int:
     where.add_argument("--out", help="output folder (default: published/<model> in the current folder)")
     where.add_argument("--ship", action="store_true",
                        help="maintainers: write into the package, zoo/weights/<model>/, the weights the zoo ships")
+    p.add_argument("--force", action="store_true", help="replace the config.json, model.safetensors and README.md "
+                   "that --out already holds (refused without it); --ship always replaces the shipped weights")
     args = p.parse_args(argv)
     try:
+        if args.out:  # refused before the run is read
+            check_out_dir(args.out, args.force)
         model = load_run(args.run_dir)[1]["model_name"]  # the folder's name comes before the test set is read
         out = WEIGHTS_DIR / model if args.ship else Path(args.out or Path("published") / model)
-        card = publish_run(args.run_dir, out, data_dir=args.data_dir, command=args.command)
+        card = publish_run(args.run_dir, out, data_dir=args.data_dir, command=args.command,
+                           force=args.force or args.ship)
     except (ValueError, OSError) as err:
         print(f"publish: error: {err}", file=sys.stderr)
         return 2
