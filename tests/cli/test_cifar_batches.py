@@ -179,6 +179,8 @@ DAMAGE = [
     ("label 10", change("data_batch_2", labels=lambda c: [10] + c[b"labels"][1:]),
      r"data_batch_2 is not a CIFAR-10 python batch: labels must lie in 0..9 .*got 10"),
     ("label -1", change("test_batch", labels=lambda c: c[b"labels"][:-1] + [-1]), r"test_batch .*got -1"),
+    ("label 2**70", change("data_batch_3", labels=lambda c: [2**70] + c[b"labels"][1:]),
+     r"data_batch_3 is not a CIFAR-10 python batch: labels must lie in 0..9 .*got 1180591620717411303424"),
     ("rows of 1024", change("data_batch_3", data=lambda c: c[b"data"][:, :1024].copy()),
      r"data_batch_3 .*data must be uint8 of shape \(N, 3072\), got uint8 \(6, 1024\)"),
     ("float data", change("data_batch_1", data=lambda c: c[b"data"].astype(np.float32)),

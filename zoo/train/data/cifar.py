@@ -99,12 +99,11 @@ def read_batch(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
         raise _format_error(path, f"labels must be a list of ints, got {_shown(labels)}")
     if len(labels) != len(data):
         raise _format_error(path, f"{len(labels)} labels for {len(data)} images")
-    labels = np.asarray(labels, dtype=np.int64)
-    outside = labels[(labels < 0) | (labels >= num_classes)]
-    if len(outside):
+    outside = [y for y in labels if not 0 <= y < num_classes]  # Python ints: 2**70 is checked, not overflowed
+    if outside:
         raise _format_error(path, f"labels must lie in 0..{num_classes - 1} (the {num_classes} label_names of "
-                                  f"{CIFAR_META}), got {outside[0]}")
-    return data, labels
+                                  f"{CIFAR_META}), got {_shown(outside[0])}")
+    return data, np.asarray(labels, dtype=np.int64)
 
 
 def batch_files(folder: Path) -> list[Path]:
