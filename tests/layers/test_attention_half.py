@@ -116,3 +116,18 @@ def test_minus_1e9_row_with_very_negative_scores_stays_finite_in_fp16(backend):
     out = _attention_rows(attn.half(), x.half(), mask=mask)
     assert torch.isfinite(out).all() and (out[0, 0] != 0).any()
     torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math", "chunked"])
+def test_an_fp16_float_mask_with_fp32_input_is_read_in_fp32(backend):
+    """A float mask of another float dtype than the input means what it says: the scores plus the mask's values,
+    as the softmax formula computes them in fp32 (it was 'value cannot be converted to type c10::Half')."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 2, backend=backend, chunk_size=3).eval()
+    x = torch.randn(2, 5, 16)
+    mask = (torch.randn(1, 1, 5, 5) * 3).half()
+    mask[..., 0, 2] = float("-inf")
+    q, k, v = attn.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+    weights = ((q @ k.transpose(-1, -2)) / 8**0.5 + mask.float()).softmax(-1)
+    ref = (weights @ v).transpose(1, 2).reshape(2, 5, 16)
+    torch.testing.assert_close(_attention_rows(attn, x, mask=mask), ref.detach(), atol=1e-5, rtol=1e-5)

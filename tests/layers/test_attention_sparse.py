@@ -198,6 +198,23 @@ def test_flex_refuses_what_it_cannot_do():
         with pytest.raises(ValueError, match=r"no attention dropout.*attn_drop=0.1"):
             dropping(x, mask=spec(window=2))
         assert attn.resolved_backend(need_weights=True) == "math"  # weights come from math, as for sdpa
+        with pytest.raises(ValueError, match=r"float32, float16 or bfloat16, got torch.float64.*backend='math'"):
+            _module("flex").double()(x.double())  # was an InductorError from the CPU kernel
+
+
+@pytest.mark.parametrize("n, m", [(4, 0), (0, 4), (0, 0)], ids=["empty context", "no queries", "neither"])
+def test_flex_with_zero_tokens_returns_what_math_returns(n, m):
+    """No key: the attention output is 0, so the module returns proj.bias (torch.nn.MultiheadAttention's
+    contract); no query: an empty (B, 0, dim). flex's kernel ended the process with a floating-point exception."""
+    torch.manual_seed(0)
+    attn = _module("flex").eval()
+    x, context = torch.randn(2, n, DIM), torch.randn(2, m, DIM)
+    with torch.no_grad():
+        out = attn(x, context)
+        attn.backend = "math"
+        assert out.shape == (2, n, DIM)
+        torch.testing.assert_close(out, attn.proj.bias.expand(2, n, DIM))
+        torch.testing.assert_close(out, attn(x, context))
 
 
 # ---------------------------------------------------------------- flex forward on the CPU (compiles)

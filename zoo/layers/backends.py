@@ -12,7 +12,8 @@ A query row whose keys are all masked gets output 0, never NaN: its row is opene
 zeroed after (``row_ok``). Under fp16 / bf16 (autocast or a half-precision module) a float mask keeps its meaning:
 finite values are clamped to the dtype's range (-1e9 stays a finite penalty, never -inf, so only true -inf or
 False marks a key as masked), the math backend adds it to the scores in fp32, and linear attention runs its
-reductions in fp32 outside autocast."""
+reductions in fp32 outside autocast. A float mask may have any float dtype, whatever the input's (an fp16 mask
+with fp32 input is read in fp32)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ def _cast_finite(additive: torch.Tensor, dtype) -> torch.Tensor:
     if tracing():  # torch.fx: dtype is a graph value; traced masks are bool specs plus a small relative bias
         return additive.to(dtype)
     info = torch.finfo(dtype)
+    additive = additive.to(torch.promote_types(additive.dtype, dtype))  # clamp in the wider: fp16 cannot hold fp32's max
     return torch.where(additive == float("-inf"), additive, additive.clamp(info.min, info.max)).to(dtype)
 
 

@@ -11,7 +11,9 @@ the (N, M) score matrix that the mask rules out are skipped rather than computed
   function so the bias is an input of the graph, not a constant baked into it.
 - Masks: a spec, ``is_causal`` (folded into the spec) or none. A tensor mask cannot say which blocks are
   empty without reading all N x M of it, so it is refused with a pointer to ``zoo.masks.spec`` and "sdpa".
-- Rows with no key (e.g. lengths[b] == 0) give output 0, as in every backend (``row_ok`` from the spec).
+- Rows with no key (e.g. lengths[b] == 0) give output 0, as in every backend (``row_ok`` from the spec); so do
+  zero queries or zero keys (N = 0, an empty context), which never reach the kernel.
+- float32, float16 and bfloat16 only (what the CPU kernel takes): float64 is refused, naming "math" / "sdpa".
 - Attention dropout does not exist in flex: refused. Backward on the CPU does not exist in torch 2.14:
   refused with grad enabled, naming the banded path ("chunked" with a windowed spec, or "auto").
 - CUDA forward and backward is the same code path; this project's tests run on a CPU and check the forward.
@@ -58,6 +60,9 @@ def _refuse(masking: Masking, q, k, v, dropout_p: float) -> None:
     if dropout_p > 0:
         raise ValueError(f"the flex backend has no attention dropout, got attn_drop={dropout_p}; use "
                          "backend='chunked' (banded with a windowed spec) or 'sdpa', or attn_drop=0")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"the flex backend computes in float32, float16 or bfloat16, got {q.dtype}; cast the "
+                         "module (module.float()) or use backend='math' or 'sdpa' for float64")
     if q.device.type == "mps":
         raise ValueError("the flex backend runs on CUDA and the CPU, not on Apple MPS; use backend='sdpa', or "
                          "'chunked' with a windowed zoo.masks.spec")
@@ -70,6 +75,8 @@ def _refuse(masking: Masking, q, k, v, dropout_p: float) -> None:
 def flex_attention_spec(q, k, v, masking: Masking, dropout_p: float) -> torch.Tensor:
     """(B, H, N, D) attention through FlexAttention with the block mask of ``masking``'s spec."""
     _refuse(masking, q, k, v, dropout_p)
+    if masking.n == 0 or masking.m == 0:  # no query or no key: nothing to attend (flex's kernel divides by zero)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
     spec = masking.spec or MaskSpec()
     if masking.causal:
         spec = replace(spec, causal=True)
