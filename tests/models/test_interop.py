@@ -155,3 +155,36 @@ def test_default_vit_parameter_count_equals_timm():
     count = sum(p.numel() for p in ours.parameters())
     assert count == sum(p.numel() for p in theirs.parameters()) == 5_362_762
     assert ours.state_dict().keys() == theirs.state_dict().keys()
+
+
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_patch_dropout_in_training_equals_timms(pool):
+    """patch_drop_rate: in training both models keep the same random tokens for the same seed (timm's
+    PatchDropout is the reference); the blocks see 1 + int(64 * 0.5) tokens; evaluation sees all 65."""
+    zoo_vit = randomise(VisionTransformer(embed_dim=32, depth=2, num_heads=2, global_pool=pool,
+                                          patch_drop_rate=0.5)).train()
+    timm_vit = vit_to_timm(zoo_vit)
+    assert timm_vit.patch_drop.prob == 0.5 and vit_from_timm(timm_vit).patch_drop.prob == 0.5
+    seen = []
+    zoo_vit.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    x = images(zoo_vit, batch=3)
+    torch.manual_seed(7)
+    ours = zoo_vit(x)
+    torch.manual_seed(7)
+    torch.testing.assert_close(ours, timm_vit(x), atol=1e-5, rtol=1e-5)
+    zoo_vit.eval()
+    timm_vit.eval()
+    torch.testing.assert_close(zoo_vit(x), timm_vit(x), atol=1e-5, rtol=1e-5)
+    prefix = 1 if pool == "token" else 0
+    assert seen == [prefix + 32, prefix + 64]  # training, then evaluation
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(patch_drop_rate=1.0), r"\[0, 1\)"), (dict(patch_drop_rate=-0.1), r"\[0, 1\)"),
+    (dict(patch_drop_rate="0.5"), r"\[0, 1\)"),
+    (dict(patch_drop_rate=0.5, rel_pos_bias=True), "rel_pos_bias"),
+    (dict(patch_drop_rate=0.5, local_window=1, global_pool="avg"), "local_window"),
+])
+def test_patch_dropout_refused_where_it_cannot_work(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        VisionTransformer(embed_dim=32, depth=1, num_heads=2, **kwargs)

@@ -37,6 +37,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "sgd_nesterov": ("optimizer=sgd", "lr=0.1", "weight_decay=5e-4", "momentum=0.9"),
     "no_lr_split": ("no_decay_lr_scale=1",),
     "eager": ("compile=false",),
+    "patch_drop": ("model_args.patch_drop_rate=0.5",),  # ViTs only: half the patch tokens in each training step
 }
 FIELDS = ("variant", "seed", "run_dir", "precision", "optimizer", "steps", "train_images_per_s", "best_val_top1",
           "test_top1_tta", "test_top1_plain")

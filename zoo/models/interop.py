@@ -7,7 +7,7 @@ features one side lacks raise ``ValueError`` naming them instead of being droppe
 from __future__ import annotations
 
 import torch
-from timm.layers import DropPath, Mlp, resample_abs_pos_embed, to_2tuple
+from timm.layers import DropPath, Mlp, PatchDropout, resample_abs_pos_embed, to_2tuple
 from timm.layers.attention import Attention as TimmAttention
 from timm.models.vision_transformer import Block as TimmBlock
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
@@ -103,6 +103,11 @@ def _block_config(blocks: nn.Sequential, attn_drop: float) -> dict:
                 drop_path_rate=drop_path.drop_prob if isinstance(drop_path, DropPath) else 0.0)
 
 
+def _patch_drop_rate(vit: nn.Module) -> float:
+    """The share of patch tokens a ViT (timm's or the zoo's) drops in training: its ``PatchDropout``'s."""
+    return vit.patch_drop.prob if isinstance(vit.patch_drop, PatchDropout) else 0.0
+
+
 def _copy(src: nn.Module, dst: nn.Module, src_grid: tuple[int, int], dst_grid: tuple[int, int],
           num_prefix_tokens: int, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     state_dict["pos_embed"] = resample_abs_pos_embed(state_dict["pos_embed"], list(dst_grid), list(src_grid),
@@ -128,7 +133,8 @@ def vit_from_timm(timm_vit: TimmVisionTransformer, img_size: int | tuple[int, in
     config = _block_config(timm_vit.blocks, timm_vit.blocks[0].attn.attn_drop.p if timm_vit.blocks else 0.0)
     zoo_vit = VisionTransformer(img_size, tuple(pe.patch_size), pe.proj.in_channels, timm_vit.num_classes,
                                 global_pool=timm_vit.global_pool, drop_rate=timm_vit.head_drop.p,
-                                reg_tokens=timm_vit.num_reg_tokens, **config)
+                                reg_tokens=timm_vit.num_reg_tokens, patch_drop_rate=_patch_drop_rate(timm_vit),
+                                **config)
     return _copy(timm_vit, zoo_vit, tuple(pe.grid_size), _grid(img_size, tuple(pe.patch_size)),
                  timm_vit.num_prefix_tokens, timm_vit.state_dict())
 
@@ -152,7 +158,7 @@ def vit_to_timm(zoo_vit: VisionTransformer, img_size: int | tuple[int, int] | No
         img_size=img_size, patch_size=zoo_vit.patch_size, in_chans=zoo_vit.in_chans,
         num_classes=zoo_vit.num_classes, global_pool=zoo_vit.global_pool,
         class_token=zoo_vit.cls_token is not None, reg_tokens=zoo_vit.num_reg_tokens, drop_rate=zoo_vit.head_drop.p,
-        weight_init="skip", **config)
+        patch_drop_rate=_patch_drop_rate(zoo_vit), weight_init="skip", **config)
     state_dict = zoo_vit.state_dict()
     state_dict["pos_embed"] = zoo_vit.pos_embed.detach()  # a sin-cos table is a non-persistent buffer
     return _copy(zoo_vit, timm_vit, zoo_vit.grid_size, _grid(img_size, zoo_vit.patch_size),

@@ -25,6 +25,7 @@ from einops import rearrange
 from timm.layers import (
     DropPath,
     Mlp,
+    PatchDropout,
     calculate_drop_path_rates,
     resample_abs_pos_embed,
     to_2tuple,
@@ -116,6 +117,10 @@ class VisionTransformer(TokenFeatures, nn.Module):
         rel_pos_bias: a learned 2D relative position bias over the patch grid in every attention layer.
         drop_rate: dropout before the head. proj_drop_rate / attn_drop_rate: dropout in every block.
         drop_path_rate: stochastic depth, rising linearly from 0 at the first block to this at the last.
+        patch_drop_rate: in training only, each image keeps a random ``1 - patch_drop_rate`` share of its patch
+            tokens after the position embedding (timm's ``PatchDropout``; FLIP, Li et al. 2023,
+            https://arxiv.org/abs/2212.00794): the blocks see fewer tokens, so a step costs less, and evaluation
+            sees them all. Not with ``rel_pos_bias`` or ``local_window``, which need the whole grid.
         backend: attention backend of every block ("auto", "sdpa", "math", "chunked", "linear", "flex").
         reg_tokens: register tokens (Darcet et al. 2024, https://arxiv.org/abs/2309.16588) after the class
             token, with position embeddings as timm's ``reg_tokens`` (``num_prefix_tokens`` counts them).
@@ -131,7 +136,7 @@ class VisionTransformer(TokenFeatures, nn.Module):
                  qkv_bias: bool = True, pos_embed: str = "learn", rel_pos_bias: bool = False,
                  drop_rate: float = 0.0, proj_drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
                  drop_path_rate: float = 0.0, backend: str = "auto", local_window: int | None = None,
-                 reg_tokens: int = 0):
+                 reg_tokens: int = 0, patch_drop_rate: float = 0.0):
         super().__init__()
         for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim), ("depth", depth)):
             check_int(name, value)  # 0 would build a model without blocks or input channels
@@ -146,6 +151,12 @@ class VisionTransformer(TokenFeatures, nn.Module):
             raise ValueError("local_window attends over the patch grid alone: it takes no reg_tokens")
         if pos_embed not in ("learn", "sincos"):
             raise ValueError(f"pos_embed must be 'learn' or 'sincos', got {pos_embed!r}")
+        if isinstance(patch_drop_rate, bool) or not isinstance(patch_drop_rate, (int, float)) \
+                or not 0 <= patch_drop_rate < 1:
+            raise ValueError(f"patch_drop_rate must be a number in [0, 1), got {patch_drop_rate!r}")
+        if patch_drop_rate and (rel_pos_bias or local_window is not None):
+            raise ValueError("patch_drop_rate drops tokens from the patch grid, which rel_pos_bias and local_window "
+                             "need whole: use one or the other")
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
@@ -167,6 +178,8 @@ class VisionTransformer(TokenFeatures, nn.Module):
 
         attn_mask = None if local_window is None else spec(window=local_window, grid=self.grid_size)
         self.local_window = local_window
+        self.patch_drop = (PatchDropout(patch_drop_rate, num_prefix_tokens=self.num_prefix_tokens)
+                           if patch_drop_rate else nn.Identity())
         attn_kwargs = dict(backend=backend)
         if rel_pos_bias:
             attn_kwargs.update(rel_pos_grid=self.grid_size, num_prefix_tokens=self.num_prefix_tokens)
@@ -238,10 +251,11 @@ class VisionTransformer(TokenFeatures, nn.Module):
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim) entering the blocks."""
+        """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim) entering the blocks (in
+        training with ``patch_drop_rate``, fewer patch tokens)."""
         x = self.patch_embed(x)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
-        return torch.cat([*prefix, x], dim=1) + self.pos_embed  # timm's order: class, registers, patches
+        return self.patch_drop(torch.cat([*prefix, x], dim=1) + self.pos_embed)  # timm's order: class, registers
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim), after the final norm."""
