@@ -35,6 +35,7 @@ from .callbacks import (
 )
 from .checks import parse_max_time
 from .data import ImageDataModule
+from .distill import load_teacher
 from .device import (
     compile_for,
     host_sync_every,
@@ -91,6 +92,7 @@ class RunPlan:
     world_size: int = 1         # processes (devices x nodes)
     budget_s: float | None = None  # --max-time in seconds (the fit gets it less the seconds spent before it)
     machine: str = ""           # the CPU or GPU the numbers come from (``device.machine_name``)
+    teacher: torch.nn.Module | None = None  # the frozen teacher of ``teacher`` (``distill.load_teacher``), else None
 
     def describe(self) -> str:
         """E.g. "vit_tiny on cpu (Intel ... (2 cores, native bf16: no)), 1 process, precision 32, optimizer adamw,
@@ -156,6 +158,8 @@ def plan_run(recipe: Recipe) -> tuple[RunPlan, ImageDataModule]:
     elif recipe.init_from:  # a refused --init-from fails before the precision probe's seconds
         match_init(create_model(recipe.model, num_classes=dm.num_classes, **model_args(recipe)), recipe.init_from,
                    allow_partial=recipe.init_partial)
+    # a teacher that cannot teach this run (other classes or image size) fails before the probe's seconds
+    teacher = load_teacher(recipe.teacher, dm.num_classes, recipe.img_size) if recipe.teacher else None
     start = time.perf_counter()
     one_process = world_size == 1  # DDP ranks must not measure (and choose) apart
     chosen = {key: getattr(recipe, key) for key in ("precision", "muon_dtype", "optimizer")}
@@ -172,7 +176,7 @@ def plan_run(recipe: Recipe) -> tuple[RunPlan, ImageDataModule]:
                        compile=compile_for(recipe.compile, accelerator))
     budget_s = parse_max_time(recipe.max_time) if recipe.max_time else None
     return RunPlan(resolved, accelerator, precision, run_dir, resume_from, time.perf_counter() - start, world_size,
-                   budget_s, machine_name(accelerator)), dm
+                   budget_s, machine_name(accelerator), teacher=teacher), dm
 
 
 def report_auto_devices(recipe: Recipe, accelerator: str, world_size: int) -> None:
@@ -231,6 +235,7 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
         module.fit_whitening(dm.normalize(dm.train_dataset[:WHITENING_IMAGES][0]))  # read alone when streamed
     if recipe.init_from and plan.resume_from is None:
         print(init_from(module.model, recipe.init_from, allow_partial=recipe.init_partial).summary())
+    module.set_teacher(plan.teacher)
     return module
 
 

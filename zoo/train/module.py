@@ -17,6 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..layers.whitening import PatchWhitening
 from ..models import compile_regions, create_model
+from .distill import distillation_loss
 from .device import accelerator_of, forked_generators, host_sync_every, resolve_muon_dtype
 from .optim import WarmupCosine, WarmupDecay, build_optimizer, param_groups
 from .tta import tta_logits
@@ -33,11 +34,17 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def train_loss(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, label_smoothing: float,
-               memory_format: torch.memory_format) -> tuple[torch.Tensor, torch.Tensor]:
+               memory_format: torch.memory_format, teacher_logits: torch.Tensor | None = None,
+               distill: tuple[str, float, float] = ("hard", 0.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, logits)`` of a training batch: label-smoothed cross-entropy in float32 (targets as in
-    ``ImageClassifier``)."""
+    ``ImageClassifier``); with ``teacher_logits``, mixed with the distillation term, ``distill`` = (kind, weight,
+    temperature) (``zoo.train.distill``)."""
     logits = model(images.contiguous(memory_format=memory_format))
-    return F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing), logits
+    loss = F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing)
+    if teacher_logits is not None:
+        kind, weight, temperature = distill
+        loss = (1 - weight) * loss + weight * distillation_loss(logits, teacher_logits, kind, temperature)
+    return loss, logits
 
 
 @functools.cache
@@ -79,6 +86,8 @@ class ImageClassifier(pl.LightningModule):
             2 mirror + 1-pixel translations).
         nan_check_every: steps between host-side checks of the non-finite-loss flag (every checkpoint
             checks too, so a NaN model is never saved); ``None`` -> 1 on CPU, 50 on GPU.
+        distill, distill_weight, distill_temperature: how a teacher set with ``set_teacher`` teaches
+            (``zoo.train.distill``); without one they do nothing.
     """
 
     def __init__(self, model_name: str, model_args: dict | None = None, *, num_classes: int = 10,
@@ -86,7 +95,8 @@ class ImageClassifier(pl.LightningModule):
                  min_lr_ratio: float = 0.01, label_smoothing: float = 0.0, channels_last: bool = False,
                  compile: bool | str = False, nan_check_every: int | None = None, optimizer: str = "adamw",
                  momentum: float = 0.9, no_decay_lr_scale: float = 1.0, schedule: str = "cosine", tta: int = 0,
-                 muon_dtype: str = "auto"):
+                 muon_dtype: str = "auto", distill: str = "hard", distill_weight: float = 0.5,
+                 distill_temperature: float = 1.0):
         super().__init__()
         self.save_hyperparameters()
         self.model = create_model(model_name, num_classes=num_classes, **(model_args or {}))
@@ -112,6 +122,18 @@ class ImageClassifier(pl.LightningModule):
         self.register_buffer("first_bad_step", torch.tensor(-1, dtype=torch.long), persistent=False)
         # each rank keeps its own flag (DDP would overwrite it with rank 0's at every forward); check_finite reduces
         self._ddp_params_and_buffers_to_ignore = ["first_bad_step"]
+        self._teacher: tuple[torch.nn.Module, ...] = ()  # in a tuple: no submodule, so in no state_dict or DDP
+
+    def set_teacher(self, teacher: torch.nn.Module | None) -> None:
+        """Distil from ``teacher`` (frozen, eval mode; ``zoo.train.distill.load_teacher``), or from none."""
+        self._teacher = (teacher,) if teacher is not None else ()
+
+    def teacher_logits(self, images: torch.Tensor) -> torch.Tensor | None:
+        """The teacher's logits of a training batch (no gradient), or None without a teacher."""
+        if not self._teacher:
+            return None
+        with torch.no_grad():
+            return self._teacher[0](images)
 
     @property
     def eval_passes(self) -> int:
@@ -135,9 +157,12 @@ class ImageClassifier(pl.LightningModule):
     def _shared_step(self, batch, stage: str) -> torch.Tensor:
         images, targets = batch
         with self.rank_own_draws() if stage == "train" else contextlib.nullcontext():
-            if stage == "train" and self.hparams.compile == "step":
-                loss, logits = compiled_train_loss(images.device.type)(
-                    self.model, images, targets, self.hparams.label_smoothing, self.memory_format)
+            hp = self.hparams
+            if stage == "train" and (hp.compile == "step" or self._teacher):
+                loss_fn = compiled_train_loss(images.device.type) if hp.compile == "step" else train_loss
+                loss, logits = loss_fn(self.model, images, targets, hp.label_smoothing, self.memory_format,
+                                       self.teacher_logits(images),
+                                       (hp.distill, hp.distill_weight, hp.distill_temperature))
             else:
                 logits = self(images) if stage == "train" else tta_logits(self, images, self.hparams.tta)
                 loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.hparams.label_smoothing)
@@ -202,6 +227,8 @@ class ImageClassifier(pl.LightningModule):
             layer.fit(images.to(layer.weight.device))
 
     def on_fit_start(self):
+        for teacher in self._teacher:  # not a submodule: Lightning did not move it
+            teacher.to(self.device)
         # the graphed step's gradients live in CUDA-graph memory that the next replay overwrites: each step must
         # start from no gradients (Lightning's zero_grad sets them to None before each backward)
         if self.hparams.compile == "step" and self.device.type == "cuda" and self.trainer.accumulate_grad_batches > 1:

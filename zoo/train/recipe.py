@@ -24,6 +24,7 @@ import yaml
 from . import checks as c
 from .checks import COUNT, FLAG, NATURAL, NUMBER, OPTIONAL_PATH, OPTIONAL_TEXT, PATH, POSITIVE, TEXT
 from .data import DEFAULT_AUGMENT
+from .distill import DISTILL_KINDS
 from .loggers import logger_names
 from .optim import MUON_DTYPES, OPTIMIZERS, SCHEDULES
 from .tta import TTA_LEVELS
@@ -147,6 +148,13 @@ class Recipe(_Checked):
     init_from: str | None = setting(None, "start a new run from a zoo checkpoint or a timm ViT state_dict",
                                     OPTIONAL_PATH)
     init_partial: bool = setting(False, "let init_from load under half of the model's parameter elements", FLAG)
+    teacher: str | None = setting(None, "distil from a frozen teacher as DeiT does: pretrained:NAME, a run directory or "
+                                  "a checkpoint (null: none)", OPTIONAL_PATH)
+    distill: str = setting("hard", "with a teacher: hard (its top class, DeiT) or soft (KL at distill_temperature)",
+                           c.choice(DISTILL_KINDS))
+    distill_weight: float = setting(0.5, "with a teacher: its term's share of the loss, in [0, 1]",
+                                    c.chain(NUMBER, c.rule("lie in [0, 1]", lambda v: 0 <= v <= 1)))
+    distill_temperature: float = setting(1.0, "with distill: soft, the softmax temperature", c.ABOVE_ZERO)
 
     def __post_init__(self):
         from ..models import check_model_args, list_models  # the models load on first use

@@ -1,0 +1,115 @@
+"""Distillation (``--teacher``) against hand formulas: DeiT's hard term is cross-entropy on the teacher's top
+class, the soft term KL(teacher || student) at temperature T times T**2 over the logits' element count; the
+student's loss mixes its own with the term by ``distill_weight``, its gradient is that of the hand-mixed loss, and
+the teacher stays frozen and out of the student's checkpoint. A teacher that cannot teach the run is refused in one
+line before any data is decoded; a real run with a shipped teacher trains and tests."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+from zoo.train.distill import distillation_loss, load_teacher
+from zoo.train.module import ImageClassifier, train_loss
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def log_softmax_by_hand(row: list[float]) -> list[float]:
+    top = max(row)
+    total = math.log(sum(math.exp(v - top) for v in row)) + top
+    return [v - total for v in row]
+
+
+def test_hard_term_is_cross_entropy_on_the_teachers_top_class():
+    student, teacher = torch.randn(4, 5), torch.randn(4, 5)
+    expected = -sum(log_softmax_by_hand(s.tolist())[int(t.argmax())] for s, t in zip(student, teacher)) / 4
+    assert distillation_loss(student, teacher, "hard", 1.0).item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 3.0])
+def test_soft_term_is_deits_kl(temperature):
+    student, teacher = torch.randn(3, 4), torch.randn(3, 4)
+    kl = 0.0
+    for s, t in zip(student.tolist(), teacher.tolist()):
+        ls = log_softmax_by_hand([v / temperature for v in s])
+        lt = log_softmax_by_hand([v / temperature for v in t])
+        kl += sum(math.exp(b) * (b - a) for a, b in zip(ls, lt))
+    expected = kl * temperature**2 / student.numel()
+    assert distillation_loss(student, teacher, "soft", temperature).item() == pytest.approx(expected, rel=1e-5)
+
+
+def tiny_classifier(**kwargs) -> ImageClassifier:
+    return ImageClassifier("vit_nano", {"depth": 1, "embed_dim": 32, "num_heads": 2}, num_classes=10, **kwargs)
+
+
+def test_training_loss_mixes_the_terms_and_its_gradient_is_the_hand_mix():
+    module = tiny_classifier(label_smoothing=0.1, distill="hard", distill_weight=0.3)
+    teacher = zoo.create_model("vit_nano", depth=1, embed_dim=32, num_heads=2).eval().requires_grad_(False)
+    module.set_teacher(teacher)
+    images, targets = torch.randn(6, 3, 32, 32), torch.randint(0, 10, (6,))
+    loss, logits = train_loss(module.model, images, targets, 0.1, torch.contiguous_format,
+                              module.teacher_logits(images), ("hard", 0.3, 1.0))
+    with torch.no_grad():
+        hard = teacher(images).argmax(dim=1)
+    own = torch.nn.functional.cross_entropy(logits, targets, label_smoothing=0.1)
+    by_hand = 0.7 * own + 0.3 * torch.nn.functional.cross_entropy(logits, hard)
+    torch.testing.assert_close(loss, by_hand)
+    weight = module.model.head.weight
+    (grad,) = torch.autograd.grad(loss, weight, retain_graph=True)
+    (expected,) = torch.autograd.grad(by_hand, weight)
+    torch.testing.assert_close(grad, expected)
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_teacher_is_no_part_of_the_student():
+    module = tiny_classifier()
+    before = set(module.state_dict())
+    module.set_teacher(zoo.create_model("hybrid_tiny", pretrained=True).eval())
+    assert set(module.state_dict()) == before  # the checkpoint holds the student alone
+    assert all(not name.startswith("_teacher") for name, _ in module.named_modules())
+    assert module.teacher_logits(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    module.set_teacher(None)
+    assert module.teacher_logits(torch.randn(2, 3, 32, 32)) is None
+
+
+@pytest.mark.parametrize("spec, classes, size, match", [
+    ("pretrained:hybrid_tiny", 5, 32, "predicts 10 classes; the data have 5"),
+    ("pretrained:hybrid_tiny", 10, 64, r"takes \(32, 32\) images; this run trains at 64x64"),
+    ("pretrained:nope", 10, 32, "no model named 'nope'"),
+])
+def test_a_teacher_that_cannot_teach_is_refused(spec, classes, size, match):
+    with pytest.raises(ValueError, match=match):
+        load_teacher(spec, classes, size)
+
+
+def test_shipped_teacher_is_frozen():
+    teacher = load_teacher("pretrained:hybrid_tiny", 10, 32)
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+
+
+def test_bad_teacher_is_one_line_before_any_data(tmp_path):
+    done = subprocess.run([sys.executable, "train.py", "--model", "vit_nano", "--teacher", "pretrained:hybrid_tiny",
+                           "--distill-weight", "1.5", "--data-dir", str(tmp_path / "none"), "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "train.py: error: distill_weight must lie in [0, 1], got 1.5"]
+
+
+def test_a_real_run_learns_from_a_shipped_teacher(cifar_dir, tmp_path):
+    cmd = [sys.executable, "train.py", "--model", "vit_nano", "--set", "model_args.depth=1", "--data-dir",
+           str(cifar_dir), "--epochs", "1", "--max-train-images", "128", "--max-test-images", "32",
+           "--limit-train-batches", "2", "--limit-val-batches", "1", "--batch-size", "32", "--set", "val_size=32",
+           "--teacher", "pretrained:hybrid_tiny", "--distill", "soft", "--distill-temperature", "2",
+           "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--precision", "32"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = (tmp_path / "vit_nano").iterdir()
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert not any("teacher" in key for key in ckpt["state_dict"])
+    assert ckpt["hyper_parameters"]["distill"] == "soft" and ckpt["hyper_parameters"]["distill_temperature"] == 2.0
+    assert (run / "summary.json").is_file()
