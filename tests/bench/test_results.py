@@ -124,6 +124,22 @@ def test_from_run_reads_summary_config_and_the_plain_eval(tmp_path):
         results.from_run(tmp_path / "missing")
 
 
+def test_a_distilled_run_is_recorded_under_its_teacher(tmp_path):
+    """A run with a teacher never lands among the plain ten-minute figures (setting ""): its setting names it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({
+        "model": "vit_tiny", "precision": "32", "global_step": 500, "epochs": 1, "train_images_per_s": 90.0,
+        "best_val_top1": 0.7, "test_top1": 0.71}))
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": "vit_tiny", "max_time": "00:00:10:00", "seed": 0,
+                                                     "teacher": "pretrained:hybrid_tiny"}))
+    record = results.from_run(run)
+    assert record["numbers"]["setting"] == "--teacher pretrained:hybrid_tiny"
+    assert record["command"].endswith("--seed 0 --teacher pretrained:hybrid_tiny")
+    assert results.from_run(run, setting="--teacher pretrained:hybrid_tiny")["numbers"]["setting"] == \
+        "--teacher pretrained:hybrid_tiny"
+
+
 def test_cli_records_a_run_and_refuses_a_non_run(tmp_path, capsys):
     assert results.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "r")]) == 2
     assert "not a finished run" in capsys.readouterr().err
