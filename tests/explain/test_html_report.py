@@ -85,7 +85,9 @@ def test_a_constant_map_is_said_in_words():
     assert texts == ["constant map:\nevery value 1", "constant map:\nevery value 1"]
     fig = viz.explanation_figure(images[0], true_name="cat", pred_name="cat", rollout=torch.rand(8, 8),
                                  cbam=[torch.rand(8, 8), torch.ones(4, 4)])
-    assert [t.get_text() for ax in fig.axes for t in ax.texts] == ["constant map:\nevery value 1"]
+    # a CBAM gate multiplies its stage's features: all 1 passes them unchanged, said as a saturated gate
+    assert [t.get_text() for ax in fig.axes for t in ax.texts] == [
+        "constant map:\nthis stage's spatial gate is saturated\n(every value 1: it passes every feature unchanged)"]
     assert len(fig.axes[3].images) == 0  # no flat colour panel
 
 
@@ -95,3 +97,37 @@ def test_the_speed_footnote_names_the_device_the_speed_was_measured_on(monkeypat
     assert measured_on(torch.device("cuda", 1)).startswith("NVIDIA H200 (cuda:1), torch ")
     assert measured_on(torch.device("mps")).startswith("Apple GPU (mps), torch ")
     assert f"{torch.get_num_threads()} threads, torch " in measured_on(torch.device("cpu"))
+
+
+def test_a_cbam_gate_lower_on_the_object_is_said_to_suppress_it():
+    """The spatial gate multiplies the stage's features (x * sigmoid(...)): where it is lower in the centre, where
+    a CIFAR object lies, than around it, the caption says the stage suppresses the centre; a gate higher there
+    does not get that sentence; a closed or uniform gate is said as such."""
+    image = torch.rand(3, 32, 32)
+    dip = torch.full((8, 8), 0.9)
+    dip[2:6, 2:6] = 0.3  # the inner half of each side
+    peak = 1 - dip
+    fig = viz.explanation_figure(image, true_name="cat", pred_name="dog", cbam=[dip, peak])
+    captions = [ax.get_xlabel() for ax in fig.axes[1:3]]
+    assert "lower in the centre (0.30) than around it (0.90)" in captions[0] and "suppresses" in captions[0]
+    assert "centre" not in captions[1] and captions[1].startswith("gate x features: lower = suppressed")
+    assert "closed" in viz.constant_gate_note(torch.zeros(2, 2))
+    assert "by 0.5" in viz.constant_gate_note(torch.full((2, 2), 0.5))
+
+
+def test_class_names_that_read_as_mathtext_are_drawn_as_written(tmp_path, capsys):
+    """A class folder named like matplotlib mathtext ($\\bogus$) made saving the figure fail with an error whose
+    text opens with a blank line; it is drawn as written, and eval.py's error line never comes out empty."""
+    from zoo.train.console import error_line
+
+    names = ["$\\bogus$", "plain", "a $b$ c"]
+    viz.save(viz.confusion_matrix_figure(torch.eye(3), names), tmp_path / "matrix.png")
+    fig = viz.explanation_figure(torch.rand(3, 32, 32), true_name=names[0], pred_name=names[2],
+                                 rollout=torch.rand(8, 8))
+    viz.save(fig, tmp_path / "explained.png")
+    viz.save(viz.methods_grid_figure(torch.rand(3, 3, 32, 32), {"rollout": torch.rand(3, 8, 8)}, captions=names,
+                                     title=names[0]), tmp_path / "grid.png")
+    assert all((tmp_path / f).stat().st_size > 1000 for f in ("matrix.png", "explained.png", "grid.png"))
+    assert fig.get_suptitle().startswith("true: $\\bogus$")
+    assert error_line("eval.py", ValueError("\n\\bogus\n^\nParseFatalException: Unknown symbol")) == 2
+    assert capsys.readouterr().err == "eval.py: error: \\bogus\n"

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize, PowerNorm
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 from ..atomic import atomic_write
 
@@ -36,8 +37,17 @@ def save(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
     killed run leaves the old file). Returns the path."""
     path = Path(path)
     kind = path.suffix.lstrip(".").lower() or "png"
+    literal_text(fig)
     atomic_write(path, lambda f: fig.savefig(f, format=kind, dpi=dpi, bbox_inches="tight"))
     return path
+
+
+def literal_text(fig: Figure) -> Figure:
+    """Every text of ``fig`` drawn as written: a class folder or a run named like mathtext (``$x$``) is its name,
+    not a formula that matplotlib fails to parse when the figure is saved. Returns ``fig``."""
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
+    return fig
 
 
 def _image(image: torch.Tensor) -> np.ndarray:
@@ -60,15 +70,16 @@ def upsample_heatmap(heatmap: torch.Tensor, size: tuple[int, int], *, rescale: b
     return ((up - up.min()) / span if span > 0 else torch.zeros_like(up)).numpy()
 
 
-def constant_note(ax, image: torch.Tensor | None, heatmap: torch.Tensor) -> bool:
-    """Where every value of ``heatmap`` is the same, draw ``image`` (or nothing) with a line saying so instead
-    of a flat colour panel, which reads as a broken figure, and return True; else draw nothing, return False."""
+def constant_note(ax, image: torch.Tensor | None, heatmap: torch.Tensor, *, why: str | None = None) -> bool:
+    """Where every value of ``heatmap`` is the same, draw ``image`` (or nothing) with a line saying so (and
+    ``why``, where given) instead of a flat colour panel, which reads as a broken figure, and return True; else
+    draw nothing, return False."""
     if heatmap.numel() and heatmap.max() > heatmap.min():
         return False
     if image is not None:
         ax.imshow(_image(image), alpha=0.35)
-    ax.text(0.5, 0.5, f"constant map:\nevery value {heatmap.flatten()[0].item():.3g}", transform=ax.transAxes,
-            ha="center", va="center", fontsize=8, wrap=True)
+    note = f"constant map:\n{why}" if why else f"constant map:\nevery value {heatmap.flatten()[0].item():.3g}"
+    ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=8, wrap=True)
     ax.set_xticks([])
     ax.set_yticks([])
     return True
@@ -142,15 +153,43 @@ def explanation_figure(image: torch.Tensor, *, true_name: str, pred_name: str,
         col += 1
     for stage, gate in enumerate(cbam, start=1):
         axes[col].set_title(f"CBAM stage {stage} ({gate.shape[0]}x{gate.shape[1]})", fontsize=9)
-        if not constant_note(axes[col], None, gate):  # a saturated gate (all 1.0) passes everything
+        if not constant_note(axes[col], None, gate, why=constant_gate_note(gate)):
             shown = axes[col].imshow(gate.detach().float().cpu().numpy(), cmap=HEATMAP_CMAP, vmin=0, vmax=1)
             axes[col].set_xticks([])
             axes[col].set_yticks([])
+            axes[col].set_xlabel(gate_caption(gate), fontsize=7, wrap=True)
             fig.colorbar(shown, ax=axes[col], fraction=0.046, pad=0.04, label="spatial gate")
         col += 1
     verdict = "correct" if true_name == pred_name else "wrong"
     fig.suptitle(f"true: {true_name}   predicted: {pred_name} ({verdict})")
     return fig
+
+
+def constant_gate_note(gate: torch.Tensor) -> str:
+    """What a constant CBAM spatial gate does: the gate multiplies the stage's features by its value
+    (``zoo.layers.cbam.SpatialAttention``), so all 1 passes them unchanged, all 0 blanks them."""
+    value = gate.flatten()[0].item()
+    if value >= 0.999:
+        return "this stage's spatial gate is saturated\n(every value 1: it passes every feature unchanged)"
+    if value <= 0.001:
+        return "this stage's spatial gate is closed\n(every value 0: it blanks every feature)"
+    return f"this stage's spatial gate scales every\nposition alike (by {value:.3g}): no spatial selection"
+
+
+def gate_caption(gate: torch.Tensor) -> str:
+    """The caption of a CBAM spatial gate (h, w) in [0, 1]: the gate multiplies the stage's features, so it
+    suppresses them where it is lower; said in words where it is lower in the centre, where a CIFAR object
+    lies, than around it (the inner half of each side against the rest)."""
+    caption = "gate x features: lower = suppressed"
+    h, w = gate.shape
+    if h >= 4 and w >= 4:
+        centre = torch.zeros(h, w, dtype=torch.bool)
+        centre[h // 4:h - h // 4, w // 4:w - w // 4] = True
+        inside, outside = gate[centre].mean().item(), gate[~centre].mean().item()
+        if inside < outside:
+            caption += (f"\nlower in the centre ({inside:.2f}) than around it ({outside:.2f}):\nthis stage "
+                        "suppresses the centre more than its surround")
+    return caption
 
 
 def confusion_matrix_figure(matrix: torch.Tensor, class_names: Sequence[str], *,

@@ -24,8 +24,10 @@ def parse_or_exit_code(parse, argv) -> argparse.Namespace | int:
 
 
 def error_line(prog: str, err: Exception, code: int = 2) -> int:
-    """Print ``prog: error: <first line of err>`` on stderr and return ``code`` (the process's exit status)."""
-    print(f"{prog}: error: {err}".splitlines()[0], file=sys.stderr)
+    """Print ``prog: error: <first line of err that says something>`` on stderr (an error whose text opens with a
+    blank line, as a library's may, is not reduced to nothing) and return ``code`` (the process's exit status)."""
+    said = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    print(f"{prog}: error: {said}", file=sys.stderr)
     return code
 
 
