@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,3 +97,77 @@ def test_ddp_two_cpu_processes_leave_one_run(base_args, tmp_path, compile):
     assert summary["devices"] == 2 and summary["global_step"] == 2
     assert (runs[0] / "checkpoints" / "last.ckpt").is_file()
     assert "sync_dist=True" not in done.stderr  # rank 0's loss and clock are logged on purpose: no advice shown
+
+
+def tiny_run_argv(run: Path, cifar_dir, out: Path, cache: Path, *extra) -> list[str]:
+    """The arguments that trained conftest's ``tiny_run``, resuming ``run`` under ``out``."""
+    return ["--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1", "--max-train-images", "128",
+            "--max-test-images", "32", "--limit-train-batches", "2", "--limit-val-batches", "1", "--batch-size", "32",
+            "--set", "val_size=32", "--out", str(out), "--cache-dir", str(cache), "--resume", str(run), *extra]
+
+
+def _files(run: Path) -> dict:
+    return {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_with_another_recipe_is_refused_before_the_data_is_read(tiny_run, cifar_dir, tmp_path, capsys):
+    """--lr, --batch-size or --set label_smoothing=... on a resume would train on with values the run's config.yaml
+    does not record: refused in one line naming each (exit 2), the run left byte for byte, no image decoded."""
+    from zoo.train import cli
+
+    run = tmp_path / "runs" / "vit_nano" / tiny_run.name
+    shutil.copytree(tiny_run, run)
+    before = _files(run)
+    cache = tmp_path / "cache"
+    code = cli.main(tiny_run_argv(run, cifar_dir, tmp_path / "runs", cache, "--epochs", "2", "--lr", "0.002",
+                                  "--batch-size", "16", "--set", "label_smoothing=0.2"))
+    assert code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "differs from the run's config.yaml" in err[0], err
+    for named in ("lr: 0.001 in the run, 0.002 now", "batch_size: 32 in the run, 16 now",
+                  "label_smoothing: 0.1 in the run, 0.2 now"):
+        assert named in err[0]
+    assert "epochs" not in err[0].split("(", 1)[1]  # a longer run is a resume's own change
+    assert _files(run) == before and not cache.exists()
+
+
+def test_what_a_resume_may_change_passes_the_recipe_check(tiny_run):
+    """The run's own recipe with the settings a resume may change (longer, elsewhere, other output, auto choices)
+    passes; one training setting more does not."""
+    from dataclasses import replace
+
+    from zoo.train.recipe import Recipe
+    from zoo.train.runs import check_resume_recipe
+
+    recorded = Recipe.from_yaml(tiny_run / "config.yaml")
+    moved = replace(recorded, epochs=9, max_time="00:00:10:00", devices=1, accelerator="cpu", data_dir="/elsewhere",
+                    cache_dir="/tmp/x", out="/tmp/y", loggers=["tensorboard"], ckpt_every_n_steps=7,
+                    ckpt_every_minutes=0.0, resume=str(tiny_run), precision="auto", muon_dtype="auto",
+                    eval_batch_size=8, data_memory_budget=0.5)
+    check_resume_recipe(moved, tiny_run)
+    with pytest.raises(ValueError, match=r"seed: 0 in the run, 1 now"):
+        check_resume_recipe(replace(moved, seed=1), tiny_run)
+    with pytest.raises(ValueError, match=r"augment.cutout: 0 in the run, 4 now"):
+        check_resume_recipe(replace(moved, augment=replace(moved.augment, cutout=4)), tiny_run)
+
+
+def test_a_resume_on_a_read_only_mount_is_one_line(tiny_run, cifar_dir, tmp_path, capsys, monkeypatch):
+    """The run lock cannot be opened where the run directory is read-only ([Errno 30]): one line naming the fix."""
+    import builtins
+    import errno
+
+    from zoo.train import cli, runs
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(runs.LOCK_FILE):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(runs, "open", read_only, raising=False)
+    run = tmp_path / "runs" / "vit_nano" / tiny_run.name
+    shutil.copytree(tiny_run, run)
+    before = _files(run)
+    assert cli.main(tiny_run_argv(run, cifar_dir, tmp_path / "runs", tmp_path / "cache", "--epochs", "2")) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "Read-only file system" in err[0] and "writable" in err[0], err
+    assert _files(run) == before

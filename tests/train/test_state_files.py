@@ -60,7 +60,7 @@ def test_resume_of_a_run_another_process_holds_exits_2_in_one_line(tiny_run, cif
         code = cli.main(["--model", "vit_nano", "--resume", "auto", "--out", str(tmp_path / "runs"),
                          "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path / "cache"), "--epochs", "2",
                          "--max-train-images", "128", "--max-test-images", "32", "--set", "val_size=32",
-                         "--batch-size", "32"])
+                         "--batch-size", "32", "--limit-train-batches", "2", "--limit-val-batches", "1"])
     finally:
         proc.kill()
         proc.wait()
@@ -167,7 +167,7 @@ def test_load_run_and_resume_name_a_damaged_summary(tiny_run, cifar_dir, tmp_pat
     code = cli.main(["--model", "vit_nano", "--resume", str(run), "--out", str(tmp_path / "runs"),
                      "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path / "cache"), "--epochs", "2",
                      "--max-train-images", "128", "--max-test-images", "32", "--set", "val_size=32",
-                     "--batch-size", "32"])
+                     "--batch-size", "32", "--limit-train-batches", "2", "--limit-val-batches", "1"])
     assert code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train.py:")]
     assert len(err) == 1 and "summary.json is damaged (class_names is 5" in err[0]

@@ -130,7 +130,55 @@ def find_run_dir(recipe: Recipe) -> tuple[Path, Path | None, bool]:
     if ckpt.parent.name != "checkpoints":  # a run directory holds it in checkpoints/: any other folder is not one
         raise ValueError(f"--resume {resume}: a checkpoint outside a run directory's checkpoints/ folder; pass "
                          f"its run directory, or start a new run from its weights with --init-from {resume}")
+    check_resume_recipe(recipe, run_dir)
     return run_dir, ckpt, False
+
+
+# what a resumed run may change: its length (epochs, max_time), where it runs (accelerator, devices, strategy,
+# num_nodes, compile, data_memory_budget), where its data is read from (data_dir, cache_dir, download: the classes are
+# checked), what it writes beside its metrics (out, loggers, checkpoint intervals), the command's action (resume, and
+# init_from / init_partial, which only a new run uses) and the evaluation batch; precision and muon_dtype "auto", and
+# an optimizer under optimizer_min_speed, keep what the run chose (config.yaml records it)
+RESUMABLE_CHANGES = frozenset({
+    "epochs", "max_time", "accelerator", "devices", "strategy", "num_nodes", "compile", "data_memory_budget",
+    "data_dir", "cache_dir", "download", "out", "loggers", "ckpt_every_n_steps", "ckpt_every_minutes", "resume",
+    "init_from", "init_partial", "eval_batch_size"})
+
+
+def _flat(recipe: dict) -> dict:
+    """A recipe mapping with its sections' keys dotted (``augment.cutout``); model_args left out (``check_resume``
+    compares them with the checkpoint's)."""
+    flat = {}
+    for key, value in recipe.items():
+        if key == "augment" and isinstance(value, dict):
+            flat.update({f"augment.{k}": v for k, v in value.items()})
+        elif key != "model_args":
+            flat[key] = value
+    return flat
+
+
+def check_resume_recipe(recipe: Recipe, run_dir: Path) -> None:
+    """A resumed run trains on with the recipe its config.yaml records: a setting that differs from it (a new
+    --lr, --batch-size, --set label_smoothing=...) -> ValueError naming each, except ``RESUMABLE_CHANGES``. A run
+    without a readable config.yaml is not checked."""
+    from .recipe import parse_yaml
+
+    path = run_dir / "config.yaml"
+    try:
+        recorded = parse_yaml(path.read_text(), str(path))
+    except (OSError, ValueError):
+        return
+    if not isinstance(recorded, dict):
+        return
+    saved, wanted = _flat(recorded), _flat(parse_yaml(recipe.to_yaml(), "the recipe"))
+    keeps_choice = {"precision": recipe.precision == "auto", "muon_dtype": recipe.muon_dtype == "auto",
+                    "optimizer": recipe.optimizer_min_speed is not None}
+    changed = [key for key, value in wanted.items() if key in saved and saved[key] != value
+               and key not in RESUMABLE_CHANGES and not keeps_choice.get(key, False)]
+    if changed:
+        diff = ", ".join(f"{key}: {saved[key]!r} in the run, {wanted[key]!r} now" for key in changed)
+        raise ValueError(f"--resume {run_dir}: the recipe differs from the run's config.yaml ({diff}); resume with "
+                         f"the run's recipe (--config {path} --resume {run_dir}) or start a new run")
 
 
 def check_resume(recipe: Recipe, ckpt: Path) -> dict:
@@ -196,7 +244,11 @@ class RunLock:
             return self
         if self.path in RunLock._held:
             RunLock._held[self.path].release()
-        self._file = open(self.path, "a+")
+        try:
+            self._file = open(self.path, "a+")
+        except OSError as err:  # a run directory on a read-only mount, or not this user's
+            raise ValueError(f"cannot write the run directory {self.path.parent}: {err.strerror}; copy the run "
+                             "to a writable folder to resume it") from None
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
