@@ -1,11 +1,13 @@
 """Preemption and exact resume: a signal at step k saves last.ckpt at step k (no summary.json, exit 128 + signal),
-and ``--resume auto`` then ends with the same weights as the same run uninterrupted (fp32, same seed: the data
-order, augmentation, stochastic depth and mixup all draw from the states the checkpoint carries). The reference is
-the uninterrupted run; a resume that drew one batch or one random number differently would differ from it."""
+and ``--resume auto`` then ends with the same weights and the same metrics.csv, row for row, as the same run
+uninterrupted (fp32, same seed: the data order, augmentation, stochastic depth and mixup all draw from the states
+the checkpoint carries, and the epoch's metrics so far are in it). The reference is the uninterrupted run; a resume
+that drew one batch or one random number differently, or counted an epoch's batches differently, would differ."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from zoo.models.run_files import read_metrics
 from zoo.train import cli
 from zoo.train import fit as fit_module
 
@@ -30,12 +33,29 @@ def base_argv(cifar_dir, tmp_path_factory):
             "--max-train-images", "96", "--max-test-images", "16", "--set", "val_size=32", "--batch-size", "16",
             "--epochs", str(EPOCHS), "--precision", "32", "--accelerator", "cpu", "--limit-val-batches", "1",
             "--limit-test-batches", "1", "--set", "ema_decay=0.9", "--set", "model_args.embed_dim=32",
-            "--set", "model_args.depth=1"]
+            "--set", "model_args.depth=1", "--ckpt-every-n-steps", "2"]  # metrics.csv: a step's row every 2 steps
 
 
 @pytest.fixture
 def argv(base_argv, tmp_path):
     return [*base_argv, "--out", str(tmp_path / "runs")]
+
+
+class _OnHook(pl.Callback):
+    """Runs ``action(trainer)`` once, at the first call of Lightning's hook ``hook`` (e.g. on_test_batch_start)."""
+
+    def __init__(self, hook: str, action):
+        self.action, self.done = action, False
+        setattr(self, hook, self._fire)
+
+    def _fire(self, trainer, *args):
+        if not self.done:
+            self.done = True
+            self.action(trainer)
+
+
+def _kill(*signums):
+    return lambda trainer: [os.kill(os.getpid(), signum) for signum in signums]
 
 
 class _AtStep(pl.Callback):
@@ -54,8 +74,8 @@ def _run(argv, monkeypatch=None, extra=None) -> int:
     """cli.main(argv) in this process, with ``extra`` (a callback) added to the run's callbacks."""
     build = fit_module.build_callbacks
 
-    def with_extra(plan, spent_s=0.0):
-        built = build(plan, spent_s)
+    def with_extra(plan, *args, **kwargs):
+        built = build(plan, *args, **kwargs)
         return built._replace(all=[extra, *built.all]) if extra is not None else built
 
     with pytest.MonkeyPatch.context() as mp:
@@ -75,12 +95,34 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(base_argv, tmp_path_factory):
-    """The reference: the same run, not interrupted (its last.ckpt weights)."""
+def reference_run(base_argv, tmp_path_factory) -> Path:
+    """The reference: the same run, not interrupted (its run directory)."""
     out = tmp_path_factory.mktemp("reference")
     assert _run([*base_argv, "--out", str(out)]) == 0
     (run,) = (out / "vit_nano").iterdir()
-    return _weights(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(reference_run):
+    """The reference's last.ckpt weights."""
+    return _weights(reference_run)
+
+
+def _rows(run: Path, before_step: int | None = None) -> tuple[list[str], list[dict]]:
+    """metrics.csv's header and rows (those logged before optimizer step ``before_step``), clock columns out."""
+    keys, rows = read_metrics(run / "metrics.csv")
+    rows = [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows
+            if before_step is None or int(row["step"]) < before_step]
+    return [k for k in keys if not k.startswith("time/")], rows
+
+
+def _same_rows(run: Path, reference: Path, before_step: int | None = None) -> None:
+    keys, rows = _rows(run, before_step)
+    want_keys, want = _rows(reference, before_step)
+    assert len(rows) == len(want) and rows, (rows, want)
+    for row, expected in zip(rows, want, strict=True):  # the keys of the rows logged so far
+        assert {k: v for k, v in row.items() if v} == {k: v for k, v in expected.items() if v}, (row, expected)
 
 
 def _assert_same(resumed: dict, reference: dict) -> None:
@@ -89,12 +131,18 @@ def _assert_same(resumed: dict, reference: dict) -> None:
         torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=0, msg=key)
 
 
-@pytest.mark.parametrize(("signum", "step"), [(signal.SIGTERM, 2), (signal.SIGINT, 5), (signal.SIGTERM, 4)],
-                         ids=["sigterm-mid-epoch0", "sigint-mid-epoch1", "sigterm-last-step-of-epoch0"])
+@pytest.mark.parametrize(("signum", "step", "hook"), [
+    (signal.SIGTERM, 2, None), (signal.SIGINT, 5, None), (signal.SIGTERM, 4, None),
+    (signal.SIGTERM, 4, "on_validation_batch_start")],
+    ids=["sigterm-mid-epoch0", "sigint-mid-epoch1", "sigterm-last-step-of-epoch0", "sigterm-in-validation-of-epoch0"])
 def test_signal_saves_at_the_step_and_resume_equals_the_uninterrupted_run(
-        argv, tmp_path, monkeypatch, capsys, uninterrupted, signum, step):
+        argv, tmp_path, monkeypatch, capsys, uninterrupted, reference_run, signum, step, hook):
+    """Stopped and resumed, the run ends with the reference's weights and metrics.csv; right after the stop
+    metrics.csv holds every row the reference logged before that step (the stopped step's and epoch's own rows
+    included, and epoch 0's training top-5 / mean loss over all its batches after the resume)."""
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    code = _run(argv, monkeypatch, _AtStep(step, lambda trainer: os.kill(os.getpid(), signum)))
+    trigger = _OnHook(hook, _kill(signum)) if hook else _AtStep(step, _kill(signum))
+    code = _run(argv, monkeypatch, trigger)
     assert code == 128 + signum
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train.py:")]
     assert len(err) == 1 and "--resume auto" in err[0] and signal.Signals(signum).name in err[0], err
@@ -103,10 +151,58 @@ def test_signal_saves_at_the_step_and_resume_equals_the_uninterrupted_run(
     saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == step
     assert {s: signal.getsignal(s) for s in before} == before  # the handlers are given back
+    _same_rows(run, reference_run, before_step=step)
 
     assert _run([*argv, "--resume", "auto"], monkeypatch) == 0
     assert _only_run(tmp_path) == run and (run / "summary.json").is_file()
     _assert_same(_weights(run), uninterrupted)
+    _same_rows(run, reference_run)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signal_during_the_final_test_exits_128_plus_it_and_resume_tests(
+        argv, tmp_path, monkeypatch, capsys, reference_run, signum):
+    """Lightning exited 0 on SIGTERM during the test (no line, no summary.json) and 1 on Ctrl-C: 143 / 130 with one
+    line naming --resume auto, which then runs the test; metrics.csv ends as the reference's, and a further resume
+    of the finished run leaves it byte for byte (its test row too)."""
+    assert _run(argv, monkeypatch, _OnHook("on_test_batch_start", _kill(signum))) == 128 + signum
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "during the final test" in err[0] and "--resume auto" in err[0], err
+    run = _only_run(tmp_path)
+    assert not (run / "summary.json").exists()
+    _same_rows(run, reference_run, before_step=STEPS_PER_EPOCH * EPOCHS)
+    assert _run([*argv, "--resume", "auto"], monkeypatch) == 0
+    assert (run / "summary.json").is_file()
+    _same_rows(run, reference_run)
+    metrics = (run / "metrics.csv").read_bytes()
+    assert _run([*argv, "--resume", "auto"], monkeypatch) == 0  # finished: nothing to train
+    assert (run / "metrics.csv").read_bytes() == metrics
+
+
+def test_ctrl_c_twice_before_the_first_checkpoint_exits_130_without_naming_resume(argv, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A second Ctrl-C stops at once: exit 130 (Lightning's KeyboardInterrupt handling made it 1), one line that
+    does not offer --resume auto when no checkpoint was written; the new run's folder is removed."""
+    assert _run(argv, monkeypatch, _AtStep(1, _kill(signal.SIGINT, signal.SIGINT))) == 130
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "nothing to resume" in err[0] and "--resume" not in err[0], err
+    assert not list((tmp_path / "runs" / "vit_nano").glob("*/checkpoints/last.ckpt"))
+
+
+def test_a_resume_whose_weights_do_not_fit_is_one_line_and_keeps_metrics(argv, tmp_path, monkeypatch, capsys,
+                                                                         reference_run):
+    """A checkpoint whose head has another shape: one line (exit 2), not Lightning's size-mismatch traceback after
+    metrics.csv was rewritten without its test row."""
+    run = tmp_path / "runs" / "vit_nano" / reference_run.name
+    shutil.copytree(reference_run, run)
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpt["state_dict"]["model.head.weight"] = torch.zeros(10, 7)
+    torch.save(ckpt, run / "checkpoints" / "last.ckpt")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"}
+    assert _run([*argv, "--resume", "auto", "--epochs", "3"], monkeypatch) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "head.weight [10, 7] in the checkpoint, [10, 32] in the model" in err[0], err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"} == before
 
 
 def test_resume_from_the_interval_checkpoint_after_a_hard_kill_equals_the_uninterrupted_run(

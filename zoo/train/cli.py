@@ -92,16 +92,15 @@ def main(argv=None) -> int:
 
     from zoo.train.fit import fit
     from zoo.train.module import NonFiniteLossError
-    from zoo.train.preemption import Preempted
+    from zoo.train.preemption import Interrupted, Preempted
 
     try:
         run_dir = fit(recipe)
-    except Preempted as stop:  # SIGTERM / SIGINT / SIGUSR1 in training: last.ckpt saved at that step
+    except (Preempted, Interrupted) as stop:  # a signal in training (last.ckpt saved at that step) or outside it
         print(f"train.py: {stop}", file=sys.stderr)
         return stop.code
-    except KeyboardInterrupt:  # Ctrl-C outside training (decoding, the precision probe, the test)
-        print("train.py: interrupted (Ctrl-C); a run with a checkpoints/last.ckpt continues with --resume auto",
-              file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C where fit had no handler of its own
+        print("train.py: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     except (ValueError, MisconfigurationException) as err:  # user errors, DataError included
         return error_line("train.py", err)

@@ -7,6 +7,7 @@ accuracies are fractions in [0, 1])."""
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -57,7 +58,7 @@ from .forecast import RunForecast
 from .host_memory import keep_freed_memory
 from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
-from .preemption import PreemptionCheckpoint, RandomStates
+from .preemption import EpochMetrics, Interrupted, PreemptionCheckpoint, RandomStates, stops_at_once
 from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
 from .quiet import quiet_libraries
 from .recipe import Recipe
@@ -65,6 +66,7 @@ from .runs import (
     AtomicCheckpointIO,
     RunLock,
     check_resume_data,
+    check_resume_weights,
     checkpoint_step,
     create_run_dir,
     find_run_dir,
@@ -119,7 +121,10 @@ def fit(recipe: Recipe) -> Path:
     arguments, image size and classes are checked against the recipe and the data (nothing is written before)."""
     quiet_libraries()
     keep_freed_memory()  # before the precision probe, which times steps as training will run them
-    plan, dm = plan_run(recipe)
+    try:
+        plan, dm = plan_run(recipe)
+    except KeyboardInterrupt:  # Ctrl-C while the data are decoded or the probes run: nothing written yet
+        raise Interrupted(signal.SIGINT, "before training", resumed_checkpoint(recipe)) from None
     # the run directory is held by one process: a second one resuming it stops here in one line, before it
     # rewrites anything (a run refused earlier, for other data or another model, touched nothing)
     lock, created = RunLock(plan.run_dir) if is_global_zero() else None, None
@@ -140,6 +145,14 @@ def fit(recipe: Recipe) -> Path:
             lock.release()
 
 
+def resumed_checkpoint(recipe: Recipe) -> Path | None:
+    """The checkpoint ``recipe.resume`` continues, if any (None where it names none, or is refused)."""
+    try:
+        return find_run_dir(recipe)[1] if recipe.resume else None
+    except ValueError:
+        return None
+
+
 def plan_run(recipe: Recipe) -> tuple[RunPlan, ImageDataModule]:
     """The run's plan and its data module (built by one process first: the data cache), every choice checked before
     anything is written: the device and process count, the run directory (a resumed one checked against the data),
@@ -155,6 +168,7 @@ def plan_run(recipe: Recipe) -> tuple[RunPlan, ImageDataModule]:
     dm = rank_zero_first(lambda: build_datamodule(recipe))  # one process builds the data cache
     if resume_from is not None:
         check_resume_data(resume_from, dm.num_classes, dm.class_names)
+        check_resume_weights(resume_from, create_model(recipe.model, num_classes=dm.num_classes, **model_args(recipe)))
     elif recipe.init_from:  # a refused --init-from fails before the precision probe's seconds
         match_init(create_model(recipe.model, num_classes=dm.num_classes, **model_args(recipe)), recipe.init_from,
                    allow_partial=recipe.init_partial)
@@ -199,8 +213,10 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
     callbacks = build_callbacks(plan, spent_s=plan.setup_s + time.perf_counter() - start)
     trainer = build_trainer(plan, callbacks)
     resumed_at = checkpoint_step(plan.resume_from) if plan.resume_from else None
+    last = plan.run_dir / "checkpoints" / "last.ckpt"
     start = time.perf_counter()
-    trainer.fit(module, datamodule=dm, ckpt_path=str(plan.resume_from) if plan.resume_from else None)
+    with stops_at_once("before training", last):  # in training, PreemptionCheckpoint's handlers take over
+        trainer.fit(module, datamodule=dm, ckpt_path=str(plan.resume_from) if plan.resume_from else None)
     fit_s = time.perf_counter() - start
     if trainer.global_step == resumed_at and (plan.run_dir / "summary.json").is_file():  # a finished run: kept
         print(f"the run had finished ({resumed_at} steps, {trainer.current_epoch} epochs): nothing to train, its "
@@ -209,7 +225,8 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
     if trainer.global_step == 0:
         raise ValueError(f"training ended before its first optimizer step (--max-time {plan.recipe.max_time}, "
                          f"--limit-train-batches {plan.recipe.limit_train_batches}): nothing to save")
-    tested = run_test(trainer, module, dm, callbacks.best)
+    with stops_at_once("during the final test", last):  # Lightning would exit 0 (SIGTERM) or 1 (Ctrl-C)
+        tested = run_test(trainer, module, dm, callbacks.best)
     if trainer.is_global_zero:
         atomic_write_json(plan.run_dir / "summary.json", summarize(plan, trainer, callbacks, fit_s, tested))
     return plan.run_dir
@@ -266,8 +283,9 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
                   RunForecast(recipe, plan.accelerator, plan.machine, budget_s)]
     if recipe.ema_decay:
         callbacks.append(EMAWeightAveraging(recipe.ema_decay))
-    # a signal saves last.ckpt at the step it arrives; checkpoints hold the random states (exact resume)
-    callbacks += [RandomStates(), PreemptionCheckpoint(ckpt_dir / "last.ckpt", decide_every=every)]
+    # a signal saves last.ckpt at the step it arrives; checkpoints hold the random states and the epoch's metrics so
+    # far (exact resume)
+    callbacks += [RandomStates(), EpochMetrics(), PreemptionCheckpoint(ckpt_dir / "last.ckpt", decide_every=every)]
     if budget_s is not None:  # the schedule fitted to the budget; the timer stops the fit (as Trainer(max_time))
         callbacks += [TimeBudget(budget_s), StepTimer(recipe.max_time, decide_every=every)]
     return RunCallbacks(best, throughput, callbacks, writes)
@@ -293,6 +311,9 @@ def run_test(trainer: pl.Trainer, module: ImageClassifier, dm: ImageDataModule, 
     # A checkpoint's state_dict holds the EMA weights (the ones validation scored and load_run / eval.py read),
     # but WeightAveraging.on_load_checkpoint would swap the raw weights back in for the test: it steps aside.
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, WeightAveraging)]
+    # metrics.csv's test row at the run's last step, as in an uninterrupted run (Lightning restores one less into a
+    # resumed run that had nothing left to train)
+    trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
     results = trainer.test(module, datamodule=dm, ckpt_path=tested)[0]
     return {"test_top1": float(results["test/top1"]), "test_top5": float(results["test/top5"]),
             "test_loss_smoothed": float(results["test/loss"]), "tested_checkpoint": Path(tested or "last").name}

@@ -5,6 +5,7 @@ history. Reading checkpoints back (``load_run``, ``load_pretrained``) is ``zoo.m
 
 from __future__ import annotations
 
+import csv
 import os
 import secrets
 import shutil
@@ -45,22 +46,47 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class _KeepingWriter(ExperimentWriter):
-    """CSV writer that appends to an existing metrics.csv (Lightning's deletes it), dropping rows logged
-    after the checkpoint a resumed run restarts from (they will be logged again)."""
+    """CSV writer that keeps an existing metrics.csv (Lightning's deletes it): it appends, and leaves the file as it
+    is until a row is logged, so a resume that fails or has nothing to train (a finished run) keeps every row, the
+    test's included. A resumed run's first rows replace the rows logged after its checkpoint (they are logged
+    again), in one atomic rewrite. A new run starts the file with its header, so a run stopped before its first row
+    has one too."""
 
     def __init__(self, log_dir: str, resume_step: int | None):
         self._resume_step = resume_step
+        self._replace_after_resume = False
+        self._file_keys: list[str] = []  # the header of the file as it is
         super().__init__(log_dir)
 
     def _check_log_dir_exists(self) -> None:
         path = Path(self.metrics_file_path)
         if not path.is_file():
+            if is_global_zero():
+                self.metrics_keys = ["epoch", "step"]
+                atomic_write_csv(path, self.metrics_keys, [])
+                self._file_keys = list(self.metrics_keys)
             return
         keys, rows = read_metrics(path)
-        if self._resume_step is not None:
-            rows = [r for r in rows if r.get("step") and int(float(r["step"])) < self._resume_step]
-        self.metrics_keys = keys
-        atomic_write_csv(path, keys, rows)
+        self.metrics_keys, self._file_keys = list(keys), list(keys)
+        self._replace_after_resume = self._resume_step is not None and any(not self._kept(r) for r in rows)
+
+    def _kept(self, row: dict) -> bool:
+        return bool(row.get("step")) and (self._resume_step is None or int(float(row["step"])) < self._resume_step)
+
+    def save(self) -> None:
+        if not self.metrics:
+            return
+        path = Path(self.metrics_file_path)
+        self._record_new_keys()  # (sorted)
+        if self.metrics_keys != self._file_keys or self._replace_after_resume or not path.is_file():
+            rows = [r for r in read_metrics(path)[1] if self._kept(r)] if path.is_file() else []
+            atomic_write_csv(path, self.metrics_keys, [*rows, *self.metrics])
+            self._file_keys = list(self.metrics_keys)
+        else:
+            with path.open("a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self.metrics_keys).writerows(self.metrics)
+        self.metrics = []
+        self._resume_step, self._replace_after_resume = None, False  # the rows after the checkpoint are gone
 
 
 class ResumableCSVLogger(CSVLogger):
@@ -220,6 +246,21 @@ def check_resume_data(ckpt: Path, num_classes: int, class_names: list[str]) -> N
     if recorded is not None and list(recorded) != list(class_names):
         raise ValueError(f"--resume {ckpt}: the data's classes {list(class_names)} are not the run's "
                          f"{list(recorded)}")
+
+
+def check_resume_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """The checkpoint's weights must fit ``model`` (the recipe's model for the data's classes): a tensor of another
+    shape (a checkpoint written by other code, or edited) -> ValueError naming it, instead of a traceback from
+    Lightning once the run directory is being written."""
+    saved = load_checkpoint(ckpt).get("state_dict") or {}
+    wrong = [(key, tuple(saved[f"model.{key}"].shape), tuple(value.shape)) for key, value in model.state_dict().items()
+             if isinstance(saved.get(f"model.{key}"), torch.Tensor) and saved[f"model.{key}"].shape != value.shape]
+    if wrong:
+        shown = ", ".join(f"{key} {list(have)} in the checkpoint, {list(want)} in the model" for key, have, want in
+                          wrong[:3])
+        raise ValueError(f"--resume {ckpt}: its weights do not fit the model ({shown}"
+                         f"{f' and {len(wrong) - 3} more' if len(wrong) > 3 else ''}); resume a checkpoint the run "
+                         "wrote, or start a new run")
 
 
 LOCK_FILE = "run.lock"
