@@ -32,32 +32,107 @@ def image_tree(tmp_path_factory, image_tree_writer):
     return image_tree_writer(tmp_path_factory.mktemp("tree"), 32)
 
 
-def test_first_screen_says_size_plan_and_time_without_library_noise(image_tree, tmp_path):
-    cmd = [sys.executable, "train.py", "--model", "vit_nano", "--data-dir", str(image_tree), "--epochs", "1",
-           "--batch-size", "8", "--set", "val_size=16", "--precision", "32", "--limit-train-batches", "6",
-           "--set", "ema_decay=0.9",  # the EMA callback: Lightning warns about it when best.ckpt is tested
-           "--out", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+PLAN_LINE = (r"^cpu \(.*\), precision 32-true, optimizer (\w+), batch 8: (\d+) epochs x (\d+) steps = ([\d,]+) steps"
+             r"(, ([\d,]+) done)?; about (.+) in all \(([\d.]+) s a step, timed before training; validation and test "
+             r"included\)$")
+TRAINING_BAR = re.compile(r"Epoch (\d+): +\d+%\|[^|]*\| *(\d+)/(\S+) steps")
+# warnings of the libraries: Python's form (file:line: Category: message), torch's logging form (W1205 12:00:00 ...)
+LIBRARY_WARNING = re.compile(r"(site-packages|Warning: |^[WE]\d{4} \d\d:\d\d:\d\d|weights_only|current_model_state|"
+                             r"Restoring states|CUDA_HOME)", re.M)
+
+
+def train_screen(args, tmp_path, env=None):
+    """train.py's whole output with ``args`` (and its runs under tmp_path / runs), its lines in the order written to
+    stdout (tqdm's redraws split at each carriage return), and the process."""
+    cmd = [sys.executable, "train.py", *args, "--out", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-2000:]
-    screen = done.stdout + done.stderr
+    lines = [part.strip() for line in done.stdout.splitlines() for part in line.split("\r") if part.strip()]
+    return done.stdout + done.stderr, lines
+
+
+def assert_quiet(screen: str) -> None:
+    for noise in LIBRARY_NOISE:
+        assert noise not in screen, noise
+    assert not LIBRARY_WARNING.search(screen), LIBRARY_WARNING.search(screen).group(0)
+
+
+def plan_before_training(lines: list[str]) -> tuple[re.Match, list[tuple[int, int, str]]]:
+    """The plan line (it comes before any training step was counted on the bar) and the training bar's
+    (epoch, count, total) as drawn."""
+    plans = [i for i, line in enumerate(lines) if re.match(PLAN_LINE, line)]
+    assert len(plans) == 1, lines
+    bars = [(i, TRAINING_BAR.search(line)) for i, line in enumerate(lines)]
+    drawn = [(i, int(m[1]), int(m[2]), m[3]) for i, m in bars if m]
+    stepped = [i for i, _, count, _ in drawn if count > 0]
+    assert stepped and plans[0] < stepped[0], lines  # the estimate before the first step
+    first_bar = min(i for i, *_ in drawn)
+    assert plans[0] < first_bar, lines  # above the bar: not a redraw of it
+    return re.match(PLAN_LINE, lines[plans[0]]), [(epoch, count, total) for _, epoch, count, total in drawn]
+
+
+def test_first_screen_says_size_plan_and_time_without_library_noise(image_tree, tmp_path):
+    args = ["--model", "vit_nano", "--data-dir", str(image_tree), "--epochs", "1", "--batch-size", "8", "--set",
+            "val_size=16", "--precision", "32", "--limit-train-batches", "6",
+            "--set", "ema_decay=0.9"]  # the EMA callback: Lightning warns about it when best.ckpt is tested
+    screen, lines = train_screen(args, tmp_path, env={"CUDA_HOME": str(tmp_path)})  # torch's notice, on a CPU
     import zoo
 
     params = sum(p.numel() for p in zoo.create_model("vit_nano").parameters())
-    assert f"vit_nano: {params / 1e6:.2f} M parameters" in done.stdout
-    plan = re.search(r"^cpu \(.*\), precision 32-true, batch 8: 1 epochs x 6 steps = 6 steps; about (.+) \(([\d.]+) s "
-                     r"a step, validation included\)$", done.stdout, re.M)
-    assert plan, done.stdout
+    assert f"vit_nano: {params / 1e6:.2f} M parameters" in screen
+    plan, bar = plan_before_training(lines)
+    assert plan.group(1, 2, 3, 4) == ("adamw", "1", "6", "6")
     assert "cpu_budget" not in screen  # a run of seconds gets no hint
-    for noise in LIBRARY_NOISE:
-        assert noise not in screen, noise
-    assert "run left=" in done.stderr + done.stdout  # the progress bar shows the whole run's time left
+    assert_quiet(screen)
+    assert {total for _, _, total in bar} == {"6"} and bar[-1][1] == 6  # the run's 6 steps, never an epoch's
+    assert "0/?" not in screen  # every bar is drawn first with its total
+    assert "run left=" in screen  # the progress bar shows the whole run's time left
+
+
+def test_the_cpu_recipe_and_its_resume_show_the_runs_steps_without_library_noise(image_tree, tmp_path):
+    """The README's CPU command on a tiny subset (compilation off: seconds, not minutes), then --resume auto with
+    more epochs: one plan line before the first step, the bar's total the run's steps (and after the resume, from
+    the step it resumed at), no warning of torch, Lightning or timm on either screen."""
+    args = ["--model", "vit_nano", "--config", "configs/cpu_budget.yaml", "--data-dir", str(image_tree),
+            "--batch-size", "8", "--set", "val_size=16", "--limit-train-batches", "3", "--set", "compile=false",
+            "--set", "tta=0"]
+    env = {"CUDA_HOME": str(tmp_path)}
+    screen, lines = train_screen([*args, "--epochs", "1"], tmp_path, env)
+    plan, bar = plan_before_training(lines)
+    assert plan.group(2, 3, 4) == ("1", "3", "3") and plan.group(6) is None
+    assert {total for _, _, total in bar} == {"3"} and bar[-1][1] == 3
+    assert_quiet(screen)
+
+    screen, lines = train_screen([*args, "--epochs", "3", "--resume", "auto"], tmp_path, env)
+    plan, bar = plan_before_training(lines)
+    assert plan.group(2, 3, 4, 6) == ("3", "3", "9", "3")  # 3 epochs of 3 steps, 3 of them done
+    assert {total for _, _, total in bar} == {"9"}, bar  # the run's total kept after the resume
+    assert bar[0][1] == 3 and bar[-1][1] == 9  # from the step it resumed at to the last
+    assert [epoch for epoch, count, _ in bar if count == 4][0] == 1
+    assert "0/?" not in screen
+    assert_quiet(screen)
+
+
+def test_torchs_cuda_notice_on_a_cpu_is_filtered_and_other_warnings_are_not():
+    """torch.utils.cpp_extension warns at import (inductor imports it to compile) when CUDA_HOME names a folder and
+    no CUDA runtime is there; the zoo drops that one message, by its logger, and nothing else of torch's."""
+    code = ("import logging, sys; {quiet}import torch.utils.cpp_extension; "
+            "logging.getLogger('torch.utils.cpp_extension').warning('another warning')")
+    env = {**os.environ, "CUDA_HOME": str(REPO)}
+    plain = subprocess.run([sys.executable, "-c", code.format(quiet="")], cwd=REPO, capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert "No CUDA runtime is found" in plain.stderr  # what a CPU user saw
+    quiet = "from zoo.train.quiet import quiet_libraries; quiet_libraries(); "
+    filtered = subprocess.run([sys.executable, "-c", code.format(quiet=quiet)], cwd=REPO, capture_output=True,
+                              text=True, env=env, timeout=120)
+    assert "No CUDA runtime is found" not in filtered.stderr and "another warning" in filtered.stderr
 
 
 def fake_run(recipe, steps_per_epoch: int, val_batches: int = 10, global_step: int = 4):
     trainer = SimpleNamespace(global_step=global_step, estimated_stepping_batches=recipe.epochs * steps_per_epoch,
                               num_training_batches=steps_per_epoch, accumulate_grad_batches=1,
                               num_val_batches=[val_batches], is_global_zero=True, progress_bar_callback=None,
-                              precision="bf16-mixed")
+                              precision="bf16-mixed", callbacks=[])
     return trainer, SimpleNamespace(eval_passes=2)
 
 

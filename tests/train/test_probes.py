@@ -50,7 +50,7 @@ def test_a_model_of_conv_filters_is_measured_without_the_muon_it_cannot_step(tmp
     times muon_conv and AdamW only (building muon there raises NothingToStep)."""
     timed = []
 
-    def scripted(model, x, optimizers, precision, repeats=3):
+    def scripted(model, x, optimizers, precision, **timing):
         timed.append(tuple(optimizers))
         return {"muon_conv": 1.5, "adamw": 1.0}
 
@@ -62,7 +62,7 @@ def test_a_model_of_conv_filters_is_measured_without_the_muon_it_cannot_step(tmp
 
 @pytest.mark.parametrize("model", zoo.list_models())
 def test_the_cpu_recipe_probes_only_optimizers_that_build_for_every_model(model, tmp_path, monkeypatch):
-    def scripted(model, x, optimizers, precision, repeats=3):
+    def scripted(model, x, optimizers, precision, **timing):
         return {name: 1.0 for name, build in optimizers.items() if build(model) is not None}
 
     monkeypatch.setattr(probes, "optimizer_step_seconds", scripted)
@@ -73,7 +73,7 @@ def test_the_cpu_recipe_probes_only_optimizers_that_build_for_every_model(model,
 def test_train_records_the_measured_optimizer_and_a_resumed_run_keeps_it(cifar_dir, tmp_path, capsys, monkeypatch):
     timed = []
 
-    def scripted(model, x, optimizers, precision, repeats=3):
+    def scripted(model, x, optimizers, precision, **timing):
         timed.append((tuple(optimizers), precision))
         return {"muon_conv": 1.3, "muon": 1.05, "adamw": 1.0}
 
@@ -104,13 +104,14 @@ def test_train_records_the_measured_optimizer_and_a_resumed_run_keeps_it(cifar_d
     assert ckpt["global_step"] == 2
 
 
-def test_the_probes_time_the_largest_step_the_run_takes(cifar_dir, tmp_path, capsys, monkeypatch):
-    """A batch_size above the training set is one step of the whole set: the probes time that, not batch_size
-    random images (for --batch-size 100000 those took all of a 24 GiB machine's memory before the first step)."""
+def test_the_probes_time_a_small_batch_of_the_largest_step_the_run_takes(cifar_dir, tmp_path, capsys, monkeypatch):
+    """A batch_size above the training set is one step of the whole set: the probes time at most PROBE_BATCH
+    images of it and scale the passes to it, not batch_size random images (for --batch-size 100000 those took all
+    of a 24 GiB machine's memory before the first step; at batch 256 the probes took minutes on a 2-core CPU)."""
     seen = []
 
-    def optimizer_seconds(model, x, optimizers, precision, repeats=3):
-        seen.append(("optimizer", x.shape[0]))
+    def optimizer_seconds(model, x, optimizers, precision, **timing):
+        seen.append(("optimizer", x.shape[0], timing["batch_scale"] * x.shape[0]))
         return dict.fromkeys(optimizers, 1.0)
 
     def faster(model, x, precisions, *args, **kwargs):
@@ -125,7 +126,30 @@ def test_the_probes_time_the_largest_step_the_run_takes(cifar_dir, tmp_path, cap
             "--epochs", "1", "--limit-val-batches", "1", "--limit-test-batches", "1", "--precision", "auto",
             "--set", "optimizer=muon_conv", "--set", "optimizer_min_speed=0.9", "--out", str(tmp_path / "runs")]
     assert train.main([*args, "--batch-size", "100000"]) == 0, capsys.readouterr().err[-2000:]
-    assert seen == [("precision", 64 - 16), ("optimizer", 64 - 16)]  # the training images: all but val_size
+    assert probes.PROBE_BATCH == 32
+    # the training images, all but val_size: 48 in a step, 32 of them timed
+    assert seen == [("precision", 32), ("optimizer", 32, 64 - 16)]
     seen.clear()
     assert train.main([*args, "--batch-size", "16", "--limit-train-batches", "1"]) == 0
-    assert seen == [("precision", 16), ("optimizer", 16)]
+    assert seen == [("precision", 16), ("optimizer", 16, 16)]
+
+
+def test_step_seconds_scale_the_passes_to_the_runs_batch_and_not_the_optimizer_step():
+    """A forward of a fixed 0.03 s and an optimizer step of a fixed 0.03 s: a step of 4x the timed batch costs
+    3 forward passes more, and its optimizer step the same (sleeps only lengthen on a busy machine: bounds from
+    below)."""
+    class Slow(torch.nn.Linear):
+        def forward(self, x):
+            time.sleep(0.03)
+            return super().forward(x.flatten(1))
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.03)
+            return super().step(closure)
+
+    model, x = Slow(12, 10), torch.randn(4, 3, 2, 2)
+    builds = {"sgd": lambda m: SlowSGD(m.parameters(), lr=0.1)}
+    one = probes.timed_step_seconds(model, x, builds, "32", repeats=1)["sgd"]
+    four = probes.timed_step_seconds(model, x, builds, "32", repeats=1, batch_scale=4.0)["sgd"]
+    assert one >= 0.03 + 0.03 and four >= 4 * 0.03 + 0.03

@@ -9,12 +9,14 @@ Lightning's time-interval checkpoint and time limit, deciding every few steps un
 
 from __future__ import annotations
 
+import sys
 import time
 from itertools import chain
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer, TQDMProgressBar, WeightAveraging
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, _update_n, convert_inf
 
 from .device import synchronize
 from .forecast import RunForecast, StepClock, format_duration, guess_val_time, steps_in_budget
@@ -188,10 +190,65 @@ class EMAWeightAveraging(WeightAveraging):
 
 
 class LossProgressBar(TQDMProgressBar):
-    """Lightning's progress bar with the latest training loss read only when it refreshes: the module logs the
-    loss without ``prog_bar`` (Lightning turns progress-bar values into Python numbers after every batch, one
-    host sync per step), and this bar reads it from the callback metrics at its own refresh rate. With a
-    ``RunForecast`` among the callbacks it also shows the whole run's time left ("run left")."""
+    """Lightning's progress bar over the whole run rather than an epoch: its total is the run's optimizer steps
+    (``run_steps``: the schedule's, or those a ``--max-time`` budget buys) and its count the global step, so a
+    resumed run's bar starts where the run stands, with its total; the epoch is in its description. Each bar is
+    printed first with its total (Lightning's prints ``0/?`` and redraws it when the total is known). The latest
+    training loss is read only when the bar refreshes: the module logs the loss without ``prog_bar`` (Lightning
+    turns progress-bar values into Python numbers after every batch, one host sync per step), and this bar reads it
+    from the callback metrics at its own refresh rate. With a ``RunForecast`` among the callbacks it shows the whole
+    run's time left ("run left", validation and test included) in place of tqdm's estimate of training steps."""
+
+    TRAIN_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}, {rate_noinv_fmt}{postfix}]"
+
+    def run_steps(self, trainer) -> int:
+        """The run's optimizer steps: the schedule's (``estimated_stepping_batches``), or fewer where a time budget
+        stops it earlier (``RunForecast.total_steps``)."""
+        forecast = _forecast(trainer)
+        if forecast is not None:
+            return forecast.total_steps(trainer, trainer.lightning_module)
+        return int(trainer.estimated_stepping_batches)
+
+    def _bar(self, desc: str, total, position: int, leave: bool, bar_format: str, **kwargs) -> Tqdm:
+        return Tqdm(desc=desc, total=convert_inf(total), position=2 * self.process_position + position,
+                    disable=self.is_disabled, leave=leave, dynamic_ncols=True, file=sys.stdout,
+                    bar_format=bar_format, **kwargs)
+
+    def on_train_start(self, trainer, pl_module):
+        self.train_progress_bar = self._bar(f"Epoch {trainer.current_epoch}", self.run_steps(trainer), 0, True,
+                                            self.TRAIN_BAR_FORMAT, smoothing=0, initial=trainer.global_step)
+        self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+
+    def on_train_epoch_start(self, trainer, *_):
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}", refresh=False)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        bar = self.train_progress_bar
+        if bar is not None and self._should_update(batch_idx + 1, self.total_train_batches):
+            bar.total = self.run_steps(trainer)  # a budget's steps are known better as the run goes
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            _update_n(bar, trainer.global_step)
+
+    def on_validation_start(self, trainer, pl_module):  # during the fit: below the training bar
+        if not trainer.sanity_checking:
+            self.val_progress_bar = self._bar(self.validation_description, trainer.num_val_batches[0], 1, False,
+                                              self.BAR_FORMAT)
+
+    def on_test_start(self, trainer, pl_module):
+        self.test_progress_bar = self._bar(self.test_description, trainer.num_test_batches[0], 0, True,
+                                           self.BAR_FORMAT)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.has_dataloader_changed(dataloader_idx):  # as Lightning's, without drawing the bar again
+            self.val_progress_bar.total = convert_inf(self.total_val_batches_current_dataloader)
+            self.val_progress_bar.set_description(f"{self.validation_description} DataLoader {dataloader_idx}",
+                                                  refresh=False)
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.has_dataloader_changed(dataloader_idx):
+            self.test_progress_bar.total = convert_inf(self.total_test_batches_current_dataloader)
+            self.test_progress_bar.set_description(f"{self.test_description} DataLoader {dataloader_idx}",
+                                                   refresh=False)
 
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
@@ -199,11 +256,15 @@ class LossProgressBar(TQDMProgressBar):
         loss = trainer.callback_metrics.get("train/loss_step")
         if trainer.training and loss is not None:
             metrics["train/loss"] = f"{loss.item():.3g}"
-        forecast = next((c for c in trainer.callbacks if isinstance(c, RunForecast)), None)
+        forecast = _forecast(trainer)
         left = forecast.remaining_s(trainer, pl_module) if forecast is not None and trainer.training else None
-        if left is not None:  # the whole run's time left; the bar's own ETA is the epoch's
+        if left is not None:  # the whole run's time left
             metrics["run left"] = format_duration(left)
         return metrics
+
+
+def _forecast(trainer) -> RunForecast | None:
+    return next((c for c in trainer.callbacks if isinstance(c, RunForecast)), None)
 
 
 def decides_now(trainer: pl.Trainer, every: int) -> bool:

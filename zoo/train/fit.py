@@ -7,6 +7,7 @@ accuracies are fractions in [0, 1])."""
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -59,7 +60,7 @@ from .host_memory import keep_freed_memory
 from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
 from .preemption import EpochMetrics, Interrupted, PreemptionCheckpoint, RandomStates, stops_at_once
-from .probes import model_args, probe_optimizer, probe_precision, uses_channels_last
+from .probes import model_args, probe_optimizer, probe_precision, probe_step_seconds, uses_channels_last
 from .quiet import quiet_libraries
 from .recipe import Recipe
 from .runs import (
@@ -94,6 +95,7 @@ class RunPlan:
     world_size: int = 1         # processes (devices x nodes)
     budget_s: float | None = None  # --max-time in seconds (the fit gets it less the seconds spent before it)
     machine: str = ""           # the CPU or GPU the numbers come from (``device.machine_name``)
+    step_s: float | None = None  # a training step's seconds as the probes timed it before training (CPU), else None
     teacher: torch.nn.Module | None = None  # the frozen teacher of ``teacher`` (``distill.load_teacher``), else None
 
     def describe(self) -> str:
@@ -183,14 +185,18 @@ def plan_run(recipe: Recipe) -> tuple[RunPlan, ImageDataModule]:
     precision = resolve_precision(chosen["precision"], accelerator,
                                   (lambda options: probe_precision(probed, options)) if one_process else None)
     muon_dtype = resolve_muon_dtype(chosen["muon_dtype"], accelerator)
-    optimizer = chosen["optimizer"]
+    optimizer, timed = chosen["optimizer"], {}
     if resume_from is None and one_process and accelerator == "cpu":
-        optimizer = probe_optimizer(probed, precision, muon_dtype)
+        optimizer = probe_optimizer(probed, precision, muon_dtype, timed)
+    step_s = None
+    if one_process and accelerator == "cpu":  # the run's estimate, printed before its first step (RunForecast)
+        step_s = timed.get(optimizer) or probe_step_seconds(replace(probed, optimizer=optimizer), precision,
+                                                            muon_dtype)
     resolved = replace(recipe, precision=precision, muon_dtype=muon_dtype, optimizer=optimizer,
                        compile=compile_for(recipe.compile, accelerator))
     budget_s = parse_max_time(recipe.max_time) if recipe.max_time else None
     return RunPlan(resolved, accelerator, precision, run_dir, resume_from, time.perf_counter() - start, world_size,
-                   budget_s, machine_name(accelerator), teacher=teacher), dm
+                   budget_s, machine_name(accelerator), step_s, teacher), dm
 
 
 def report_auto_devices(recipe: Recipe, accelerator: str, world_size: int) -> None:
@@ -210,7 +216,8 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
         torch.set_float32_matmul_precision("high")
     start = time.perf_counter()
     module = build_module(plan, dm)
-    callbacks = build_callbacks(plan, spent_s=plan.setup_s + time.perf_counter() - start)
+    callbacks = build_callbacks(plan, spent_s=plan.setup_s + time.perf_counter() - start,
+                                test_images=tested_images(plan.recipe, dm))
     trainer = build_trainer(plan, callbacks)
     resumed_at = checkpoint_step(plan.resume_from) if plan.resume_from else None
     last = plan.run_dir / "checkpoints" / "last.ckpt"
@@ -249,6 +256,8 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
         warmup_frac=min(recipe.warmup_epochs / max(recipe.epochs, 1), 1.0), channels_last=uses_channels_last(recipe)))
     # a resumed run's checkpoint holds its filters; fit_whitening=false keeps the random ones (the ablation)
     if plan.resume_from is None and module.whitening_layers and recipe.fit_whitening:
+        print(f"fitting the patch-whitening filters to {min(WHITENING_IMAGES, len(dm.train_dataset)):,} training "
+              "images")
         module.fit_whitening(dm.normalize(dm.train_dataset[:WHITENING_IMAGES][0]))  # read alone when streamed
     if recipe.init_from and plan.resume_from is None:
         print(init_from(module.model, recipe.init_from, allow_partial=recipe.init_partial).summary())
@@ -256,7 +265,15 @@ def build_module(plan: RunPlan, dm: ImageDataModule) -> ImageClassifier:
     return module
 
 
-def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
+def tested_images(recipe: Recipe, dm: ImageDataModule) -> int:
+    """The images the test after the fit reads (the test split, or the batches ``limit_test_batches`` keeps)."""
+    images, size = dm.num_test_images, dm.eval_batch_size
+    batches, limit = math.ceil(images / size), recipe.limit_test_batches
+    kept = batches if limit is None else int(batches * limit) if isinstance(limit, float) else min(batches, limit)
+    return min(images, kept * size)
+
+
+def build_callbacks(plan: RunPlan, spent_s: float = 0.0, test_images: int = 0) -> RunCallbacks:
     """Checkpoints (best by val/top1; last every N steps, every few minutes and at the end), throughput
     (checkpoint writes excluded), progress, LR log, the EMA of the weights (``EMAWeightAveraging``:
     validation, checkpoints and the test see the average), the time budget (less ``spent_s``, what the run spent
@@ -278,9 +295,11 @@ def build_callbacks(plan: RunPlan, spent_s: float = 0.0) -> RunCallbacks:
                                          decide_every=every))
     throughput = Throughput(writes)
     budget_s = plan.budget_s - spent_s if plan.budget_s is not None else None
-    callbacks += [throughput, LossProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20),
-                  LearningRateMonitor("step"), ValidationClock(),
-                  RunForecast(recipe, plan.accelerator, plan.machine, budget_s)]
+    # the forecast first: its plan line comes before the progress bar is drawn
+    callbacks += [throughput, RunForecast(recipe, plan.accelerator, plan.machine, budget_s, probe_step_s=plan.step_s,
+                                          test_images=test_images),
+                  LossProgressBar(refresh_rate=1 if plan.accelerator == "cpu" else 20), LearningRateMonitor("step"),
+                  ValidationClock()]
     if recipe.ema_decay:
         callbacks.append(EMAWeightAveraging(recipe.ema_decay))
     # a signal saves last.ckpt at the step it arrives; checkpoints hold the random states and the epoch's metrics so
@@ -314,6 +333,8 @@ def run_test(trainer: pl.Trainer, module: ImageClassifier, dm: ImageDataModule, 
     # metrics.csv's test row at the run's last step, as in an uninterrupted run (Lightning restores one less into a
     # resumed run that had nothing left to train)
     trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+    if trainer.is_global_zero:
+        print(f"testing {Path(tested).name if tested else 'the last weights'} on the test split", flush=True)
     results = trainer.test(module, datamodule=dm, ckpt_path=tested)[0]
     return {"test_top1": float(results["test/top1"]), "test_top5": float(results["test/top5"]),
             "test_loss_smoothed": float(results["test/loss"]), "tested_checkpoint": Path(tested or "last").name}

@@ -1,12 +1,13 @@
-"""What a run will do, said before it does it: ``RunForecast`` prints the model's size, then (after a few measured
-steps) one line with the device, precision, epochs, steps and the estimated wall time, and a hint when the run is
-far longer than a CPU user expects or its budget is far shorter than its recipe's schedule; it also gives the
-progress bar the whole run's remaining time (``remaining_s``).
+"""What a run will do, said before it does it: ``RunForecast`` prints the model's size, then before the first
+training step one line with the device, precision, optimizer, epochs, steps and the estimated wall time of the
+whole run (from the step time the probes measured before training; without one, after a few measured steps), and
+a hint when the run is far longer than a CPU user expects or its budget is far shorter than its recipe's
+schedule; it also gives the progress bar the run's steps (``total_steps``) and remaining time (``remaining_s``).
 
-The estimate is steps left x the measured step time plus one validation pass per epoch left (measured once one
-has run; before that ``guess_val_time``), and never more than what is left of a ``--max-time`` budget; with a
-budget, the steps are those that fit in it (``steps_in_budget``, the formula ``TimeBudget`` fits the schedule
-with). Printed by rank 0 only."""
+The estimate is steps left x the step time plus one validation pass per epoch left (measured once one has run;
+before that ``guess_val_time``), never more than what is left of a ``--max-time`` budget, plus the test after the
+fit; with a budget, the steps are those that fit in it (``steps_in_budget``, the formula ``TimeBudget`` fits the
+schedule with, and once it has, its step count). Printed by rank 0 only."""
 
 from __future__ import annotations
 
@@ -73,21 +74,28 @@ def long_schedule_settings(recipe) -> list[str]:
 
 
 class RunForecast(pl.Callback):
-    """Prints the model line when the fit starts and the plan line once ``skip_steps + measure_steps`` optimizer
-    steps have run (the first steps compile and warm caches, so they are left out of the step time).
+    """Prints the model line when the fit starts and the plan line before the first training step, from
+    ``probe_step_s``, the step time the probes measured before training (``probes.probe_step_seconds``); without
+    one (a GPU, several processes) once ``skip_steps + measure_steps`` optimizer steps have run (the first steps
+    compile and warm caches, so they are left out of the step time). The measured step time then replaces the
+    probe's in the time left the progress bar shows.
 
-    ``budget_s``: the ``--max-time`` budget left for the fit, or None."""
+    ``budget_s``: the ``--max-time`` budget left for the fit, or None; ``test_images``: the images of the test that
+    follows the fit (its estimate is in the plan line's wall time)."""
 
     def __init__(self, recipe, accelerator: str, machine: str, budget_s: float | None = None,
-                 skip_steps: int = 1, measure_steps: int = 3):
+                 skip_steps: int = 1, measure_steps: int = 3, probe_step_s: float | None = None,
+                 test_images: int = 0):
         self.recipe, self.accelerator, self.machine, self.budget_s = recipe, accelerator, machine, budget_s
         self.skip_steps, self.measure_steps = skip_steps, measure_steps
+        self.probe_step_s, self.test_images = probe_step_s, test_images
         self.step_time: float | None = None
         self.val_time: float | None = None
         self.lines: list[str] = []  # what it printed, for tests and logs
         self._clock = StepClock()
         self._t_val = self._fit_t0 = None
         self._start_step = 0
+        self._measured = False
 
     def _say(self, trainer, line: str) -> None:
         if trainer.is_global_zero:
@@ -107,13 +115,22 @@ class RunForecast(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         self._start_step = trainer.global_step
+        if self.probe_step_s is not None and self.step_time is None:
+            self.step_time = self.probe_step_s
+            self._announce(trainer, pl_module)
+        if self.recipe.compile:
+            self._say(trainer, f"compile: {self.recipe.compile}: the first training steps and the first validation "
+                               "compile the model (torch.compile), which takes longer than a step")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         done = trainer.global_step - self._start_step
         measured = self._clock.tick(done, self.skip_steps, self.measure_steps, pl_module.device)
-        if measured is not None and self.step_time is None:
+        if measured is not None and not self._measured:
+            self._measured = True
+            announce = self.step_time is None
             self.step_time = measured
-            self._announce(trainer, pl_module)
+            if announce:
+                self._announce(trainer, pl_module)
 
     def on_validation_start(self, trainer, pl_module):
         self._t_val = time.perf_counter()
@@ -125,13 +142,33 @@ class RunForecast(pl.Callback):
     def _val_time(self, trainer, pl_module) -> float:
         return self.val_time if self.val_time is not None else guess_val_time(trainer, pl_module, self.step_time)
 
-    def _budget_left(self) -> float | None:
-        return None if self.budget_s is None else max(self.budget_s - (time.perf_counter() - self._fit_t0), 0.0)
+    def _test_time(self, pl_module) -> float:
+        """The test after the fit: an image's forward pass costs about a third of its share of a training step, times
+        the passes test-time augmentation makes."""
+        per_image = self.step_time / self.recipe.batch_size
+        return per_image / 3 * getattr(pl_module, "eval_passes", 1) * self.test_images
+
+    def _time_budget(self, trainer):
+        from .callbacks import TimeBudget  # which imports this module
+
+        return next((c for c in trainer.callbacks if isinstance(c, TimeBudget)), None)
+
+    def _budget_left(self, trainer=None) -> float | None:
+        if self.budget_s is None:
+            return None
+        budget = self._time_budget(trainer) if trainer is not None else None
+        if budget is not None:  # its clock counts the earlier parts of a resumed run too
+            return max(budget.budget_s - budget.elapsed(), 0.0)
+        return max(self.budget_s - (time.perf_counter() - self._fit_t0), 0.0)
 
     def total_steps(self, trainer, pl_module) -> int:
-        """The run's optimizer steps: the schedule's, or those that fit in what is left of the budget."""
+        """The run's optimizer steps: the schedule's, or those that fit in what is left of the budget (once
+        ``TimeBudget`` has fitted its schedule, its step count)."""
         scheduled = int(trainer.estimated_stepping_batches)
-        left = self._budget_left()
+        budget = self._time_budget(trainer)
+        if budget is not None and budget.total_steps is not None:
+            return min(scheduled, budget.total_steps)
+        left = self._budget_left(trainer)
         if left is None or self.step_time is None:
             return scheduled
         fit = trainer.global_step + steps_in_budget(left, self.step_time, self._val_time(trainer, pl_module),
@@ -139,14 +176,15 @@ class RunForecast(pl.Callback):
         return min(scheduled, fit)
 
     def remaining_s(self, trainer, pl_module) -> float | None:
-        """Seconds left in the whole fit (training and validation), or None before the step time is measured."""
+        """Seconds left in the whole run (training, validation and the test), or None before a step time is
+        known."""
         if self.step_time is None:
             return None
         steps_left = max(self.total_steps(trainer, pl_module) - trainer.global_step, 0)
         left = steps_left * self.step_time + math.ceil(steps_left / _steps_per_epoch(trainer)) * self._val_time(
             trainer, pl_module)
-        budget_left = self._budget_left()
-        return left if budget_left is None else min(left, budget_left)
+        budget_left = self._budget_left(trainer)
+        return (left if budget_left is None else min(left, budget_left)) + self._test_time(pl_module)
 
     def _announce(self, trainer, pl_module) -> None:
         recipe, per_epoch = self.recipe, _steps_per_epoch(trainer)
@@ -157,9 +195,12 @@ class RunForecast(pl.Callback):
         else:
             schedule = (f"{total:,} steps (about {total / per_epoch:.2g} of the recipe's {recipe.epochs} epochs of "
                         f"{per_epoch} steps) in --max-time {recipe.max_time}")
-        self._say(trainer, f"{self.accelerator} ({self.machine}), precision {trainer.precision}, batch "
-                           f"{recipe.batch_size}: {schedule}; about {format_duration(eta)} "
-                           f"({self.step_time:.3g} s a step, validation included)")
+        if trainer.global_step:
+            schedule += f", {trainer.global_step:,} done"
+        timed = "timed before training" if self.probe_step_s is not None and not self._measured else "measured"
+        self._say(trainer, f"{self.accelerator} ({self.machine}), precision {trainer.precision}, optimizer "
+                           f"{recipe.optimizer}, batch {recipe.batch_size}: {schedule}; about {format_duration(eta)} "
+                           f"in all ({self.step_time:.3g} s a step, {timed}; validation and test included)")
         regularisers = long_schedule_settings(recipe)
         if self.budget_s is not None and total < 3 * per_epoch and recipe.epochs >= 30 and regularisers:
             self._say(trainer, f"the budget covers {total / per_epoch:.2g} of {recipe.epochs} epochs, and the "

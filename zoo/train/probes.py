@@ -7,7 +7,12 @@ near a tie could otherwise choose differently from run to run, and two runs with
 - ``probe_optimizer``: the recipe's Muon optimizer unless its optimizer step makes a training step slower than
   ``optimizer_min_speed`` times AdamW's speed; then Muon on fewer tensors (``muon_conv`` -> ``muon``), then AdamW.
   Muon's Newton-Schulz iteration costs ~3 GFLOP per 256 x 2304 filter per step: negligible beside a GPU's step,
-  but on a CPU it can cost more than it gains in a time budget."""
+  but on a CPU it can cost more than it gains in a time budget.
+- ``probe_step_seconds``: the seconds of one training step of the run, for the estimate of its wall time printed
+  before training (``forecast.RunForecast``); timed at every run, not remembered.
+
+Each times a few steps of at most ``PROBE_BATCH`` images (seconds, not minutes, on a 2-core CPU) and scales the
+forward and backward passes to the run's batch; the optimizer's step does not depend on the batch."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from .recipe import Recipe
 
 PRECISION_FILE = "precision-choices.json"  # the remembered measurements, in the cache directory
 OPTIMIZER_FALLBACKS = {"muon_conv": ("muon", "adamw"), "muon": ("adamw",)}  # cheaper, in order
+PROBE_BATCH = 32  # images per timed step at most: passes at the run's batch are scaled from these
 
 
 def model_args(recipe: Recipe) -> dict:
@@ -42,9 +48,11 @@ def uses_channels_last(recipe: Recipe) -> bool:
 
 
 def _probe_inputs(recipe: Recipe) -> tuple[torch.nn.Module, torch.Tensor]:
-    """A new model of the recipe and a random batch of its size, in the memory format the run uses."""
+    """A new model of the recipe and a random batch of its size, at most ``PROBE_BATCH`` images, in the memory
+    format the run uses."""
     model = create_model(recipe.model, **model_args(recipe))
-    x = torch.randn(recipe.batch_size, getattr(model, "in_chans", 3), recipe.img_size, recipe.img_size)
+    x = torch.randn(min(recipe.batch_size, PROBE_BATCH), getattr(model, "in_chans", 3), recipe.img_size,
+                    recipe.img_size)
     if uses_channels_last(recipe):
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     return model, x
@@ -57,7 +65,12 @@ def _remembered(recipe: Recipe, what: list, measure: Callable[[], str], label: s
     key = json.dumps([recipe.model, model_args(recipe), recipe.batch_size, uses_channels_last(recipe), *what,
                       machine_name(), torch.__version__, torch.get_num_threads()], sort_keys=True)
     path = (Path(recipe.cache_dir) if recipe.cache_dir else user_cache_dir()) / PRECISION_FILE
-    chosen, measured = remembered_choice(path, key, measure, allowed)
+
+    def announced() -> str:
+        print(f"{label}: measuring a few training steps of {recipe.model} on this CPU", flush=True)
+        return measure()
+
+    chosen, measured = remembered_choice(path, key, announced, allowed)
     when = "measured now" if measured else "measured before"
     print(f"{label}: {chosen} for {recipe.model} on this CPU ({when}; remembered in {path}, delete it to "
           "measure again)")
@@ -70,13 +83,15 @@ def probe_precision(recipe: Recipe, precisions: tuple[str, ...]) -> str:
                        "--precision auto", tuple(precisions))
 
 
-def optimizer_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: dict[str, Callable],
-                           precision: str, repeats: int = 5) -> dict[str, float]:
+def timed_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: dict[str, Callable],
+                       precision: str, repeats: int = 5, batch_scale: float = 1.0) -> dict[str, float]:
     """Seconds of one whole training step with each optimizer (``optimizers[name](model)`` builds it): the median
     forward, cross-entropy and backward of a copy of ``model`` (the same work whatever the optimizer) plus the
     median of that optimizer's step alone, the steps interleaved, each on its own copy holding the same gradients.
     Timing the step apart keeps the forward + backward's run-to-run noise (a few per cent, as large as the
-    differences sought) out of the comparison. ``precision``: "32" or "bf16-mixed" (CPU autocast)."""
+    differences sought) out of the comparison. ``precision``: "32" or "bf16-mixed" (CPU autocast);
+    ``batch_scale``: the forward and backward's seconds are multiplied by it (a step of ``batch_scale`` times
+    ``x``'s images)."""
     targets = torch.randint(0, 10, (x.shape[0],), generator=torch.Generator().manual_seed(0))
     trained = copy.deepcopy(model).train()
 
@@ -95,7 +110,13 @@ def optimizer_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: 
         return build(stepped).step
 
     steps = interleaved_medians({name: step_of(build) for name, build in optimizers.items()}, repeats=repeats)
-    return {name: passes + seconds for name, seconds in steps.items()}
+    return {name: passes * batch_scale + seconds for name, seconds in steps.items()}
+
+
+def optimizer_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: dict[str, Callable],
+                           precision: str, repeats: int = 5, batch_scale: float = 1.0) -> dict[str, float]:
+    """``timed_step_seconds`` for the optimizer probe (``probe_optimizer``), which compares the optimizers."""
+    return timed_step_seconds(model, x, optimizers, precision, repeats=repeats, batch_scale=batch_scale)
 
 
 def applicable(optimizers: dict[str, Callable], model: torch.nn.Module) -> dict[str, Callable]:
@@ -117,29 +138,48 @@ def affordable_optimizer(seconds: dict[str, float], preferred: tuple[str, ...], 
     return next((name for name in preferred if seconds["adamw"] >= min_speed * seconds[name]), "adamw")
 
 
-def probe_optimizer(recipe: Recipe, precision: str, muon_dtype: str) -> str:
+def _optimizer_builder(recipe: Recipe, name: str, muon_dtype: str) -> Callable:
+    """Builds optimizer ``name`` for a model as a run of ``recipe`` does (its groups, rates and Muon's head)."""
+    def make(model: torch.nn.Module) -> torch.optim.Optimizer:
+        groups = param_groups(model, recipe.lr, recipe.weight_decay, recipe.no_decay_lr_scale)
+        head = {id(p) for p in model.get_classifier().parameters()}
+        return build_optimizer(name, groups, recipe.lr, momentum=recipe.momentum, muon_exclude=head,
+                               muon_dtype=muon_dtype)
+    return make
+
+
+def probe_optimizer(recipe: Recipe, precision: str, muon_dtype: str, measured: dict | None = None) -> str:
     """The recipe's optimizer, or the cheaper one ``affordable_optimizer`` picks when ``optimizer_min_speed`` is
     set and the optimizer has cheaper fallbacks (``OPTIMIZER_FALLBACKS``); measured in the run's precision with
-    Muon's iteration in ``muon_dtype``."""
+    Muon's iteration in ``muon_dtype``. ``measured`` (a dict), when given, receives the seconds of a step of the
+    run's batch with each optimizer timed now (nothing when the choice was remembered)."""
     fallbacks = OPTIMIZER_FALLBACKS.get(recipe.optimizer)
     if recipe.optimizer_min_speed is None or not fallbacks:
         return recipe.optimizer
     candidates = (recipe.optimizer, *fallbacks)
 
-    def build(name: str) -> Callable:
-        def make(model: torch.nn.Module) -> torch.optim.Optimizer:
-            groups = param_groups(model, recipe.lr, recipe.weight_decay, recipe.no_decay_lr_scale)
-            head = {id(p) for p in model.get_classifier().parameters()}
-            return build_optimizer(name, groups, recipe.lr, momentum=recipe.momentum, muon_exclude=head,
-                                   muon_dtype=muon_dtype)
-        return make
-
     def measure() -> str:
         model, x = _probe_inputs(recipe)
-        builds = applicable({name: build(name) for name in candidates}, model)  # muon on a CNN has no matrix
-        seconds = optimizer_step_seconds(model, x, builds, precision)
+        # muon on a CNN has no matrix
+        builds = applicable({name: _optimizer_builder(recipe, name, muon_dtype) for name in candidates}, model)
+        seconds = optimizer_step_seconds(model, x, builds, precision, repeats=3,
+                                         batch_scale=recipe.batch_size / x.shape[0])
+        if measured is not None:
+            measured.update(seconds)
         return affordable_optimizer(seconds, tuple(builds)[:-1], recipe.optimizer_min_speed)
 
     return _remembered(recipe, ["optimizer", list(candidates), recipe.optimizer_min_speed, precision, muon_dtype],
                        measure, f"optimizer {recipe.optimizer} (min speed {recipe.optimizer_min_speed} of adamw's)",
                        candidates)
+
+
+def probe_step_seconds(recipe: Recipe, precision: str, muon_dtype: str) -> float:
+    """Seconds of one training step of ``recipe`` (its batch, precision and optimizer) on this CPU, eager: two
+    timed steps of at most ``PROBE_BATCH`` images after an untimed one, the forward and backward scaled to the
+    run's batch (``optimizer_step_seconds``)."""
+    model, x = _probe_inputs(recipe)
+    print(f"timing {recipe.model}'s training step ({x.shape[0]} images, precision {precision}, optimizer "
+          f"{recipe.optimizer}) to estimate the run")
+    builds = {recipe.optimizer: _optimizer_builder(recipe, recipe.optimizer, muon_dtype)}
+    return timed_step_seconds(model, x, builds, precision, repeats=2,
+                              batch_scale=recipe.batch_size / x.shape[0])[recipe.optimizer]

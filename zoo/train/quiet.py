@@ -1,6 +1,7 @@
 """Keeps the libraries' routine chatter off the first screen of a run: Lightning's info lines (hardware found,
-AMP in use, advertising tips, batch limits) and a few known warnings from inside Lightning and torch that a user
-cannot act on. Each is matched by its message, so every other warning and error still shows."""
+AMP in use, advertising tips, batch limits, a checkpoint's loading), torch's CUDA notice on a CPU, and a few known
+warnings from inside Lightning and torch that a user cannot act on. Each is matched by its message, so every other
+warning and error still shows."""
 
 from __future__ import annotations
 
@@ -26,7 +27,16 @@ INFO_PREFIXES = (
     "Loaded model weights from the checkpoint",
     "LOCAL_RANK:",
     "`Trainer.fit` stopped:",
+    "`weights_only` was not set, defaulting to `False`",  # each checkpoint Lightning writes: the zoo's own files
+    "Found current_model_state in the checkpoint",         # a resumed run's EMA weights, as the zoo means them
 )
+
+# torch's warnings through logging, by logger: messages about a setup the zoo does not use
+TORCH_LOGGED = {
+    # inductor imports cpp_extension on a CPU; with CUDA_HOME set (or /usr/local/cuda present) it warns that
+    # no CUDA runtime is found, which a CPU run does not need
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+}
 
 # warnings raised inside Lightning / torch about their own internals or about settings the zoo makes on purpose
 WARNING_MESSAGES = (
@@ -49,21 +59,29 @@ LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.
 
 
 class _DropRoutineInfo(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(INFO_PREFIXES)
+        return not str(record.getMessage()).startswith(self.prefixes)
 
 
-_FILTER = _DropRoutineInfo()
+_FILTER = _DropRoutineInfo(INFO_PREFIXES)
+_TORCH_FILTERS = {name: _DropRoutineInfo(prefixes) for name, prefixes in TORCH_LOGGED.items()}
 
 
 def quiet_libraries() -> None:
     """Install the filters (idempotent): on the loggers Lightning's info lines come from and on their handlers,
-    and ``warnings`` filters for the messages in ``WARNING_MESSAGES``."""
+    on the torch loggers of ``TORCH_LOGGED``, and ``warnings`` filters for the messages in ``WARNING_MESSAGES``."""
     for name in LOGGERS:
         logger = logging.getLogger(name)
         for target in (logger, *logger.handlers):
             if _FILTER not in target.filters:
                 target.addFilter(_FILTER)
+    for name, log_filter in _TORCH_FILTERS.items():
+        if log_filter not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(log_filter)
     for message in WARNING_MESSAGES:
         warnings.filterwarnings("ignore", message=message)
 

@@ -140,6 +140,8 @@ def load_or_build(layout: str, source: Path, path: Path, img_size: int, limits: 
     fingerprint = data_fingerprint(layout, source)
     cache = read_cache(path, fingerprint)
     if cache is None:
+        print(f"decoding the images of {source} into the data cache {path} (once: later runs read the cache)",
+              flush=True)
         cache = build_cache(layout, source, img_size, limits, seed, fingerprint)
         write_cache(cache, path)
     return cache

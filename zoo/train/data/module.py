@@ -199,6 +199,11 @@ class ImageDataModule(pl.LightningDataModule):
         """Find the data (downloading CIFAR-10 only where allowed) and build or validate the uint8 cache."""
         self._cache = self._load_or_build()
 
+    @property
+    def num_test_images(self) -> int:
+        """The test split's images as decoded (0 before ``prepare_data`` / ``setup``)."""
+        return len(self._cache["test_labels"]) if self._cache is not None else 0
+
     def source(self) -> Path:
         """The folder the data is read from (an ImageFolder root or cifar-10-batches-py); DataError if none."""
         return find_layout(self.data_dir, self.download)[1]
