@@ -98,7 +98,7 @@ def _cast_finite(additive: torch.Tensor, dtype) -> torch.Tensor:
     if tracing():  # torch.fx: dtype is a graph value; traced masks are bool specs plus a small relative bias
         return additive.to(dtype)
     info = torch.finfo(dtype)
-    additive = additive.to(torch.promote_types(additive.dtype, dtype))  # clamp in the wider: fp16 cannot hold fp32's max
+    additive = additive.to(torch.promote_types(additive.dtype, dtype))  # clamp in the wider (fp16 < fp32's max)
     return torch.where(additive == float("-inf"), additive, additive.clamp(info.min, info.max)).to(dtype)
 
 

@@ -24,10 +24,13 @@ def tracing() -> bool:
     return is_fx_symbolic_tracing()
 
 
-def check_int(name: str, value, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum``; bools and floats (even 2.0) are refused."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+def check_int(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` as an int >= ``minimum`` (and <= ``maximum`` where given); bools and floats (even 2.0) are
+    refused."""
+    wrong = isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum
+    if wrong or maximum is not None and value > maximum:
+        expected = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum:,}]"
+        raise ValueError(f"{name} must be an int {expected}, got {value!r}")
     return int(value)
 
 

@@ -10,6 +10,7 @@ from .checkpoints import load_pretrained, load_run, load_shipped
 from .regions import compile_regions
 from .registry import (
     check_model_args,
+    check_model_fits,
     create_model,
     list_models,
     model_card,
@@ -19,5 +20,6 @@ from .registry import (
     shipped_models,
 )
 
-__all__ = ["check_model_args", "compile_regions", "create_model", "list_models", "load_pretrained", "load_run",
-           "load_shipped", "model_card", "model_info", "models_table", "register_model", "shipped_models"]
+__all__ = ["check_model_args", "check_model_fits", "compile_regions", "create_model", "list_models",
+           "load_pretrained", "load_run", "load_shipped", "model_card", "model_info", "models_table",
+           "register_model", "shipped_models"]

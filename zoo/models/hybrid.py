@@ -29,12 +29,12 @@ from torch import nn
 
 from ..layers.attention import MultiHeadAttention
 from ..layers.cbam import CBAM
-from ..layers.checks import check_int
+from ..layers.checks import check_int, check_rate
 from ..layers.whitening import PatchWhitening
 from .features import TOKEN_FEATURES, TokenFeatures
 from .inputs import check_images
 from .registry import register_model
-from .vit import Block, LayerNormEps6
+from .vit import MAX_DEPTH, Block, LayerNormEps6
 
 torch.fx.wrap("rearrange")  # einops cannot take an fx Proxy: the call becomes one node of the graph
 
@@ -85,7 +85,8 @@ class HybridNet(TokenFeatures, nn.Module):
         super().__init__()
         for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim)):
             check_int(name, value)  # 0 would build a model without input channels or width
-        check_int("depth", depth, minimum=0)  # 0: the conv network alone, its grid read as tokens
+        check_int("depth", depth, minimum=0, maximum=MAX_DEPTH)  # 0: the conv network alone, its grid as tokens
+        check_rate("drop_path_rate", drop_path_rate)
         self.img_size = to_2tuple(img_size)
         stride = 2 ** (len(stem_chs) + 1)
         if any(not isinstance(s, int) or s < stride or s % stride for s in self.img_size):

@@ -1,5 +1,7 @@
 """The zoo's model registry: ``register_model`` decorates an entry point (its function name is the model
-name), ``create_model`` / ``list_models`` look them up, ``model_info`` counts parameters and FLOPs.
+name), ``create_model`` / ``list_models`` look them up, ``model_info`` counts parameters and FLOPs,
+``check_model_fits`` builds a model on the meta device to refuse what could not be built here before anything is
+allocated.
 Every entry point is mirrored into timm's registry as ``zoo_<name>``, so ``timm.create_model`` finds it."""
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ import copy
 import difflib
 import itertools
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from timm.layers import to_2tuple
 from timm.models import build_model_with_cfg
 from timm.models import register_model as timm_register_model
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .arguments import check_arguments
 
@@ -132,6 +136,62 @@ def create_model(name: str, pretrained: bool = False, **kwargs) -> nn.Module:
         model.zoo_name = key
         model.zoo_kwargs = dict(kwargs)
     return model
+
+
+_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint, torch.arange,
+              torch.linspace, torch.tensor, torch.eye, torch.empty_strided}
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _CountElements(TorchFunctionMode):
+    """Counts the elements of the tensors a constructor makes and stops it once they pass ``limit``, so an
+    oversized model is refused after its first large tensor rather than after building all of it."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.count = limit, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _FACTORIES and isinstance(out, torch.Tensor):
+            self.count += out.numel()
+            if self.count > self.limit:
+                raise _TooLarge
+        return out
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_model_fits(name: str, memory_bytes: int | None = None, **kwargs) -> int:
+    """The parameter and buffer elements of ``create_model(name, **kwargs)``, found by building it on the meta
+    device (nothing is allocated), so the constructor's own checks run too (``drop_path_rate=2.0``). ValueError
+    in one line where an argument is wrong or the model in float32 would not fit ``memory_bytes`` (default: this
+    machine's memory): ``num_classes=10**12`` is refused in a fraction of a second, not by the out-of-memory
+    killer."""
+    memory = host_memory_bytes() if memory_bytes is None else memory_bytes
+    limit = memory // 4 if memory else 2**62
+    counter = _CountElements(limit)
+    try:
+        with torch.device("meta"), counter:
+            model = create_model(name, **kwargs)
+        count = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
+    except _TooLarge:
+        count = counter.count
+    except (RuntimeError, ArithmeticError, TypeError) as err:  # a size torch cannot represent (embed_dim=10**30)
+        raise ValueError(f"{name} cannot be built with {kwargs}: {str(err).splitlines()[0]}") from None
+    if count > limit:
+        raise ValueError(f"{name} with {kwargs} would hold over {count:,} parameter elements ({count * 4 / 2**30:,.0f}"
+                         f" GiB in float32), more than this machine's {memory / 2**30:,.0f} GiB of memory")
+    return count
 
 
 def check_model_args(name: str, arguments: dict, prefix: str = "") -> None:

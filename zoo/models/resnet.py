@@ -16,7 +16,7 @@ from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
 from ..layers.cbam import add_cbam
-from ..layers.checks import check_int
+from ..layers.checks import check_int, check_rate
 from .inputs import check_images
 from .registry import register_model
 
@@ -30,6 +30,8 @@ class CifarResNet(ResNet):
     Input (B, in_chans, H, W); logits (B, num_classes)."""
 
     def __init__(self, *args, in_chans: int = 3, img_size: int | None = None, **kwargs):
+        for name in ("drop_rate", "drop_path_rate"):  # timm takes 2.0 (DropPath divides by 1 - rate)
+            check_rate(name, kwargs.get(name, 0.0))
         super().__init__(*args, in_chans=check_int("in_chans", in_chans), **kwargs)
         self.in_chans = in_chans
         self.conv1 = nn.Conv2d(in_chans, self.conv1.out_channels, 3, stride=1, padding=1, bias=False)

@@ -35,7 +35,7 @@ from timm.models import checkpoint_seq
 from torch import nn
 
 from ..layers.attention import MultiHeadAttention
-from ..layers.checks import check_int
+from ..layers.checks import check_grid, check_int, check_rate
 from ..layers.masks import MaskSpec, spec
 from ..layers.position import sincos_pos_embed_2d
 from .features import TOKEN_FEATURES, TokenFeatures
@@ -49,6 +49,9 @@ LayerNormEps6 = partial(nn.LayerNorm, eps=1e-6)  # timm's ViT norm
 __all__ = ["Block", "Mlp", "PatchEmbed", "VisionTransformer", "vit_local_tiny", "vit_nano", "vit_small", "vit_tiny"]
 
 
+MAX_DEPTH = 1000  # blocks a ViT or hybrid may have: deeper ones (the deepest published ViTs have 48) are refused
+
+
 class PatchEmbed(nn.Module):
     """Non-overlapping patches -> tokens: a ``patch_size``-strided conv ``proj``.
     (B, in_chans, H, W) with (H, W) == img_size -> (B, gh * gw, embed_dim), row-major over the grid."""
@@ -56,8 +59,8 @@ class PatchEmbed(nn.Module):
     def __init__(self, img_size: int | tuple[int, int] = 32, patch_size: int | tuple[int, int] = 4,
                  in_chans: int = 3, embed_dim: int = 192):
         super().__init__()
-        self.img_size = to_2tuple(img_size)
-        self.patch_size = to_2tuple(patch_size)
+        self.img_size = check_grid("img_size", to_2tuple(img_size))
+        self.patch_size = check_grid("patch_size", to_2tuple(patch_size))
         if any(s % p for s, p in zip(self.img_size, self.patch_size, strict=True)):
             raise ValueError(f"img_size {self.img_size} must be divisible by patch_size {self.patch_size}")
         self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
@@ -138,8 +141,10 @@ class VisionTransformer(TokenFeatures, nn.Module):
                  drop_path_rate: float = 0.0, backend: str = "auto", local_window: int | None = None,
                  reg_tokens: int = 0, patch_drop_rate: float = 0.0):
         super().__init__()
-        for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim), ("depth", depth)):
-            check_int(name, value)  # 0 would build a model without blocks or input channels
+        for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim)):
+            check_int(name, value)  # 0 would build a model without input channels
+        check_int("depth", depth, maximum=MAX_DEPTH)  # 0: no blocks; above: refused before a block is built
+        check_rate("drop_path_rate", drop_path_rate)  # timm's DropPath takes 2.0 and divides by -1
         if local_window is not None and global_pool != "avg":
             raise ValueError(f"local_window needs global_pool='avg' (a class token would attend globally), "
                              f"got global_pool={global_pool!r}")

@@ -173,7 +173,7 @@ def _read_choices(path: Path) -> dict:
 
 def resolve_accelerator(accelerator: str, devices) -> str:
     """``auto`` -> gpu when CUDA is visible, else mps on Apple silicon, else cpu; a GPU or MPS request that cannot be
-    met -> ValueError (MPS is one device)."""
+    met -> ValueError (MPS is one device), as is a device list on the CPU or one naming a GPU that is not there."""
     if accelerator == "mps" or accelerator == "auto" and not torch.cuda.device_count() and mps_available():
         if not mps_available():
             raise ValueError("--accelerator mps requested but torch has no MPS device here (Apple silicon, with "
@@ -192,6 +192,13 @@ def resolve_accelerator(accelerator: str, devices) -> str:
             accelerator = "gpu"
         if accelerator == "gpu" and isinstance(devices, int) and devices > available:
             raise ValueError(f"--devices {devices} asks for more GPUs than exist ({available} visible)")
+    listed = [int(d) for d in devices.split(",") if d.strip()] if isinstance(devices, str) and devices != "auto" else []
+    if listed and accelerator == "cpu":
+        raise ValueError(f"--devices {devices} lists GPU indices, but the run is on the CPU (no CUDA GPU visible): "
+                         "give a number of processes, e.g. --devices 1")
+    if listed and accelerator == "gpu" and max(listed) >= torch.cuda.device_count():
+        raise ValueError(f"--devices {devices} names GPU {max(listed)}, but {torch.cuda.device_count()} are visible "
+                         f"(indices 0..{torch.cuda.device_count() - 1})")
     return accelerator
 
 

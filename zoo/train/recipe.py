@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -120,7 +121,7 @@ class Recipe(_Checked):
     data_memory_budget: float | None = setting(
         None, "GiB of device memory the decoded images may take; above it batches stream from the memory-mapped "
         "cache file (null: half of the device's free memory)", c.optional(NUMBER))
-    seed: int = setting(0, "seeds the split, the subsets, the shuffling and the weights", NATURAL)
+    seed: int = setting(0, "seeds the split, the subsets, the shuffling and the weights", c.SEED)
     precision: str = setting("auto", "auto (GPU: bf16-mixed or 16-mixed; CPU: bf16-mixed with native bf16 where "
                              "measured faster, else 32), 32, bf16-mixed or 16-mixed", c.PRECISION)
     accelerator: str = setting("auto", "auto, cpu, gpu or mps (Apple silicon)", TEXT)
@@ -138,7 +139,7 @@ class Recipe(_Checked):
     limit_test_batches: int | float | None = setting(None, "as limit_train_batches, for the test", c.limit_check)
     ckpt_every_n_steps: int = setting(500, "also write checkpoints/last.ckpt every N optimizer steps", POSITIVE)
     ckpt_every_minutes: float = setting(2.0, "write checkpoints/last.ckpt every this many minutes of training and at "
-                                        "the end (0: only at the end and every N steps)", NUMBER)
+                                        "the end (0: only at the end and every N steps)", c.MINUTES)
     out: str = setting("runs", "root of run directories: the run is written to OUT/<model>/<run-id>/", PATH)
     loggers: list = setting([], "Lightning loggers beside metrics.csv (always written): tensorboard (into "
                             "RUN/tensorboard/), wandb, mlflow, comet; repeatable or comma-separated", logger_names,
@@ -160,14 +161,35 @@ class Recipe(_Checked):
         from ..models import check_model_args, list_models  # the models load on first use
 
         super().__post_init__()
-        if self.augment.cutout > self.img_size:
-            raise ValueError(f"augment.cutout must be at most img_size ({self.img_size}), got {self.augment.cutout}")
+        for key in ("cutout", "crop_padding"):  # more than the image is a blank square or a crop of padding alone
+            if getattr(self.augment, key) > self.img_size:
+                raise ValueError(f"augment.{key} must be at most img_size ({self.img_size}), got "
+                                 f"{getattr(self.augment, key)}")
+        for key in ("no_decay_lr_scale", "weight_decay"):  # the optimizer multiplies them in float32
+            if self.lr * getattr(self, key) > c.FLOAT32_MAX:
+                raise ValueError(f"lr * {key} must be at most {c.FLOAT32_MAX:.4g} (float32's largest, which the "
+                                 f"optimizer computes in), got {self.lr} * {getattr(self, key)}")
+        self._check_batch_fits()
         if self.model in list_models():
             check_model_args(self.model, self.model_args, prefix="model_args.")
         for key, instead in (("num_classes", "the data's classes set it"), ("img_size", "give img_size, which the "
                                                                              "data and the model share")):
             if key in self.model_args:  # a constructor argument the run sets itself
                 raise ValueError(f"model_args.{key} is not a recipe setting: {instead}")
+        if self.model in list_models():
+            _check_model_fits(self.model, self.img_size, self.model_args)
+
+    def _check_batch_fits(self) -> None:
+        """One training batch (of batch_size images, or all of max_train_images where fewer) in float32 must fit
+        in this machine's memory: img_size=100000 is refused here, not by the allocator after the decode."""
+        from ..models.registry import host_memory_bytes
+
+        batch = min(self.batch_size, self.max_train_images or self.batch_size)
+        need, memory = batch * 3 * self.img_size**2 * 4, host_memory_bytes()
+        if memory and need > memory:
+            raise ValueError(f"a batch of {batch:,} images of img_size {self.img_size} takes {need / 2**30:,.0f} "
+                             f"GiB in float32, more than this machine's {memory / 2**30:,.0f} GiB of memory: lower "
+                             "img_size or batch_size")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Recipe:
@@ -186,6 +208,24 @@ class Recipe(_Checked):
         a constructor takes its section of the recipe by name instead of field by field."""
         names = inspect.signature(fn).parameters
         return {**{key: value for key, value in self.to_dict().items() if key in names}, **given}
+
+
+_FITTING: set[str] = set()  # the (model, img_size, model_args) already built on the meta device
+
+
+def _check_model_fits(model: str, img_size: int, model_args: dict) -> None:
+    """``zoo.models.check_model_fits`` with ``model_args.`` before the names, once per setting (a recipe is built
+    several times while it is resolved)."""
+    from ..models import check_model_fits
+
+    key = json.dumps([model, img_size, model_args], sort_keys=True, default=repr)
+    if key not in _FITTING:
+        try:
+            check_model_fits(model, img_size=img_size, **model_args)
+        except ValueError as err:  # the constructor names its argument without the section
+            message = str(err)
+            raise ValueError(f"model_args.{message}" if message.split()[0] in model_args else message) from None
+        _FITTING.add(key)
 
 
 def recipe_fields(cls=Recipe, prefix: str = ""):
