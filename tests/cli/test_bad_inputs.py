@@ -143,8 +143,11 @@ RESUME_CASES = [
      r"img_size: 32 in the run, 64 now"),
     ("auto, other model_args", ["--model", "vit_nano", "--resume", "auto", "--out", "{runs}", "--set",
                                 "model_args.drop_path_rate=0.3"], r"model arguments differ"),
-    ("other classes", ["--model", "vit_nano", "--resume", "{run}", *TWO],
-     r"the run has 10 classes, the data has 2"),
+    ("other classes", ["--config", "{run}/config.yaml", "--resume", "{run}", "--data-dir", "{two}"],
+     r"the run has 10 classes, the data has 2"),  # the run's recipe on other data
+    ("other recipe", ["--model", "vit_nano", "--resume", "{run}", *TWO],
+     r"the recipe differs from the run's config.yaml \(batch_size: 32 in the run, 256 now, .*val_size: 32 in the "
+     r"run, 8 now"),
     ("foreign checkpoint", ["--model", "vit_nano", "--resume", "{tmp}/foreign.ckpt"], r"not a zoo training checkpoint"),
     ("truncated checkpoint", ["--model", "vit_nano", "--resume", "{tmp}/truncated.ckpt"],
      r"not a readable PyTorch checkpoint"),
