@@ -119,3 +119,27 @@ def test_streamed_training_takes_the_resident_steps(cifar_dir, tmp_path):
         seen[budget] = torch.stack(losses.losses)
     assert len(seen[None]) == 4 and torch.isfinite(seen[None]).all()
     assert torch.equal(seen[None], seen[0.0])
+
+
+def test_a_streamed_run_keeps_its_images_when_another_process_rebuilds_the_cache(cifar_dir, tmp_path):
+    """Another train.py rebuilding the shared cache file (a new file renamed over it) mid-run: the streamed
+    datasets, and a worker's copy of them (a spawned worker maps the file itself), still read the images the
+    module loaded, which match its labels."""
+    import pickle
+
+    from zoo.atomic import atomic_write
+
+    dm = data(cifar_dir, tmp_path, 0.0)
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), training=False,
+                                 world_size=1, global_rank=0, num_devices=1, current_epoch=0)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.streamed
+    (cache_file,) = (tmp_path / "cache").glob("*.pt")
+    loaded = torch.load(cache_file, weights_only=True)
+    expected = loaded["train_images"][dm.train_dataset.rows[:8]].clone()
+    rebuilt = {**loaded, "train_images": torch.zeros_like(loaded["train_images"])}
+    atomic_write(cache_file, lambda f: torch.save(rebuilt, f))  # what another process's rebuild does
+    worker = pickle.loads(pickle.dumps(dm.train_dataset))
+    torch.testing.assert_close(worker[:8][0], expected, rtol=0, atol=0)
+    torch.testing.assert_close(dm.train_dataset[:8][0], expected, rtol=0, atol=0)

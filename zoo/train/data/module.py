@@ -181,6 +181,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_dataset = self.val_dataset = self.test_dataset = None
         self._cache: dict | None = None
         self._cache_file: Path | None = None
+        self._held = None  # the cache file as loaded, held open for the streamed datasets (``_snapshot``)
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._shuffle = torch.Generator().manual_seed(seed)
         self._order = EpochOrder(self._shuffle)  # the data order's place, in checkpoints (state_dict)
@@ -211,7 +212,23 @@ class ImageDataModule(pl.LightningDataModule):
     def _load_or_build(self) -> dict:
         layout, source = find_layout(self.data_dir, self.download)
         self._cache_file = self.cache_path(source)
-        return load_or_build(layout, source, self._cache_file, self.img_size, self._limits(), self.seed)
+        cache = load_or_build(layout, source, self._cache_file, self.img_size, self._limits(), self.seed)
+        if self._held is not None:
+            self._held.close()
+        if self._cache_file.is_file():  # held from now on: a cache rebuilt by another process is another file
+            self._held = open(self._cache_file, "rb")  # noqa: SIM115 (open while the module streams from it)
+        return cache
+
+    def _snapshot(self) -> Path:
+        """Where the streamed datasets read the cache file this module loaded: ``/proc/<pid>/fd/<n>`` of the file it
+        holds open (DataLoader workers open that too), so a cache that another process rebuilds meanwhile (written
+        beside it and renamed over it) does not change the images under a run; the cache's path where there is no
+        /proc."""
+        if self._held is not None:
+            held = Path(f"/proc/{os.getpid()}/fd/{self._held.fileno()}")
+            if held.exists():
+                return held
+        return self._cache_file
 
     # ---------------------------------------------------------------- setup and loaders
 
@@ -241,14 +258,14 @@ class ImageDataModule(pl.LightningDataModule):
             if self.augment_config["hflip"] and self.augment_config["alternating_flip"]:
                 flip = AlternatingFlip(len(train_idx), self.seed, self._current_epoch)
             if self.streamed:
-                self.train_dataset = MappedBatches(self._cache_file, "train", train_idx, labels[train_idx], flip)
-                self.val_dataset = MappedBatches(self._cache_file, "train", val_idx, labels[val_idx])
+                self.train_dataset = MappedBatches(self._snapshot(), "train", train_idx, labels[train_idx], flip)
+                self.val_dataset = MappedBatches(self._snapshot(), "train", val_idx, labels[val_idx])
             else:
                 self.train_dataset = _TensorBatches(images[train_idx].to(device), labels[train_idx].to(device), flip)
                 self.val_dataset = _TensorBatches(images[val_idx].to(device), labels[val_idx].to(device))
         if stage in (None, "test", "predict"):
             images, labels = cache["test_images"], cache["test_labels"]
-            self.test_dataset = (MappedBatches(self._cache_file, "test", None, labels) if self.streamed
+            self.test_dataset = (MappedBatches(self._snapshot(), "test", None, labels) if self.streamed
                                  else _TensorBatches(images.to(device), labels.to(device)))
 
     def _stream(self, cache: dict, device: torch.device) -> bool:
