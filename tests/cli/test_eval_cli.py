@@ -220,3 +220,52 @@ def test_every_one_device_mode_runs_on_rank_zero_under_torchrun(monkeypatch, cap
                  ["--bench-suite"]):
         assert cli.one_device_under_launcher(cli.parse_args([*mode, "--out", "o"])) is None
         assert f"eval.py {mode[0]} runs on one device: rank 0 runs it" in capsys.readouterr().out
+
+
+def test_compare_says_the_test_images_and_an_unfinished_run_and_counts_its_size(tiny_run, tmp_path, capsys):
+    """A run stopped before its recipe's end has no summary.json: its row says it is unfinished (its checkpoint's
+    epoch and step against the recipe's epochs), on how many test images its top-1 was measured (the same as
+    eval.py --checkpoint on that many), and its params / FLOPs (the finished run's, as train.py counted them)."""
+    import yaml
+
+    unfinished = tmp_path / "vit_nano" / "unfinished"
+    shutil.copytree(tiny_run, unfinished)
+    (unfinished / "summary.json").unlink()
+    config = yaml.safe_load((unfinished / "config.yaml").read_text())
+    (unfinished / "config.yaml").write_text(yaml.safe_dump({**config, "epochs": 3}))
+    out = tmp_path / "compare"
+    assert eval_cli.main(["--compare", str(tiny_run), str(unfinished), "--out", str(out), "--batch-size", "16",
+                          "--deletion-images", "4"]) == 0
+    with (out / "compare.csv").open() as f:
+        finished_row, unfinished_row = csv.DictReader(f)
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    ckpt = torch.load(unfinished / "checkpoints" / "best.ckpt", map_location="cpu", weights_only=False)
+    assert finished_row["training"] == "finished" and int(finished_row["test_images"]) == 32  # train.py's test
+    assert unfinished_row["training"] == (f"unfinished (checkpoint at epoch {ckpt['epoch'] + 1} of 3, "
+                                          f"step {ckpt['global_step']})")
+    assert int(unfinished_row["params"]) == summary["params"] and int(unfinished_row["flops"]) == summary["flops"]
+    tested = int(unfinished_row["test_images"])
+    assert tested == 6  # the compared images: max(--deletion-images, the grid's 6)
+    assert eval_cli.main(["--checkpoint", str(unfinished), "--out", str(tmp_path / "eval"), "--max-test-images",
+                          str(tested)]) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert float(unfinished_row["test_top1"]) == pytest.approx(metrics["test_top1"])
+    table = (out / "compare.md").read_text()
+    assert "| unfinished (checkpoint at epoch" in table and "test_images" in table
+
+
+def test_attention_writes_an_index_of_its_files(cifar_dir, tmp_path):
+    """--attention's files (a figure, attention grid and arrays per image, CBAM gates) are linked from one
+    index.html that shows each image's figure; every link leads to a file, every file is linked."""
+    import re
+
+    out = tmp_path / "eval"
+    assert eval_cli.main(["--pretrained", "hybrid_tiny", "--data-dir", str(cifar_dir), "--out", str(out),
+                          "--max-test-images", "20", "--attention", "--num-images", "2",
+                          "--cache-dir", str(tmp_path / "cache")]) == 0
+    folder = out / "attention"
+    page = (folder / "index.html").read_text()
+    linked = set(re.findall(r'(?:src|href)="([^"]+)"', page))
+    files = {p.name for p in folder.iterdir()} - {"index.html"}
+    assert linked == files and {"explain_000.png", "explain_001.png", "cbam_001_stage1.npy"} <= files
+    assert re.findall(r'<img src="([^"]+)"', page) == ["explain_000.png", "explain_001.png"]

@@ -37,8 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "figures; ~10 min per hybrid_tiny on 1 CPU core with the defaults)")
     what.add_argument("--report", nargs="+", metavar="RUN",
                       help="one self-contained report.html comparing these runs (as --faithfulness takes them): "
-                      "accuracy (plain / TTA), params, FLOPs, throughput, the same --num-images test images under "
-                      "each model's rollout and most faithful method, the leaderboard and its curves")
+                      "accuracy (plain / TTA) on --max-test-images test images (default: as many as "
+                      "--faithfulness-images), params, FLOPs, throughput, the same --num-images test images under "
+                      "each model's rollout and most faithful method, the leaderboard on --faithfulness-images "
+                      "test images and its curves (a few minutes for both shipped models at 50 images, 2 cores)")
     what.add_argument("--bench-suite", action="store_true",
                       help="the benchmark suite: attention op and vit_tiny vs timm, memory per backend, MFU, "
                       "input pipeline, optimisation claims (bench.json + bench.md; ~5 min on 2 CPU cores)")
@@ -48,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "the run's")
     p.add_argument("--cache-dir", help="where the decoded test images are cached (default: the run's cache_dir, "
                    "else $XDG_CACHE_HOME/zoo or ~/.cache/zoo)")
-    p.add_argument("--max-test-images", type=int, help="evaluate on a seeded subset of this many test images")
+    p.add_argument("--max-test-images", type=int, help="evaluate on a seeded subset of this many test images (with "
+                   "--report: its accuracy and TTA passes; default there: as many as --faithfulness-images)")
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
     p.add_argument("--attention", action="store_true",
                    help="attention maps, rollouts and CBAM maps as figures")

@@ -39,15 +39,20 @@ PRETRAINED = "pretrained:"
 
 
 def balanced_test_images(dm: ImageDataModule, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``count`` uint8 test images and their labels, the same number from every class (the first classes take
-    one more where ``count`` does not divide evenly; a class with too few gives all it has), evenly spaced
-    within each class, grouped by class."""
+    """``count`` uint8 test images and their labels (all the test split has, where it has fewer), the same
+    number from every class (the first classes take one more where ``count`` does not divide evenly; a class
+    with too few gives all it has and the others make up for it, so a subset missing a class still gives
+    ``count``), evenly spaced within each class, grouped by class."""
     labels, picks = dm.test_dataset.labels, []
+    available = [int((labels == c).sum()) for c in range(dm.num_classes)]
+    wanted = [0] * dm.num_classes
+    for _ in range(min(count, len(labels))):  # one image at a time to the next class that has one left
+        c = min((c for c in range(dm.num_classes) if wanted[c] < available[c]), key=lambda c: wanted[c])
+        wanted[c] += 1
     for c in range(dm.num_classes):
         index = (labels == c).nonzero()[:, 0]
-        wanted = min(len(index), count // dm.num_classes + (c < count % dm.num_classes))
-        if wanted:
-            picks.append(index[torch.linspace(0, len(index) - 1, wanted).round().long()])
+        if wanted[c]:
+            picks.append(index[torch.linspace(0, len(index) - 1, wanted[c]).round().long()])
     index = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long)
     return dm.test_dataset.images[index], labels[index]
 
@@ -103,6 +108,8 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
     rows, figures, sanity_found, counts = [], {}, {}, {}
     for source, label, (model, meta) in zip(sources, model_labels, loaded, strict=True):
         model.to(device).eval()
+        if progress:
+            print(f"{label}: reading the test images", flush=True)
         dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, cache_dir=cache_dir)
         if str(source).startswith(PRETRAINED):  # normalised as the weights were trained
             dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
@@ -126,6 +133,8 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
             sanity_found[label] = cascading_randomisation(model, normalised[part], labels[part], list(heatmaps),
                                                           batch_size=batch_size, seed=seed, progress=progress)
         model.cpu()  # the device holds one scored model at a time
+    if progress:
+        print(f"writing faithfulness.csv, faithfulness.md and {len(figures)} figures into {out}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     board.write_csv(rows, out / "faithfulness.csv")
     atomic_write_text(out / "faithfulness.md", faithfulness_markdown(rows, counts, sanity_found))

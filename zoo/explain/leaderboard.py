@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_csv
 from .methods import BASELINES, applicable_methods, attribute
@@ -28,6 +27,7 @@ from .perturbation import (
     paired_auc_p_value,
     perturbation_curves,
 )
+from .progress import Progress, counted
 
 COLUMNS = ("model", "method", "removal", "metric", "auc", "ci_low", "ci_high", "p_vs_random", "p_vs_rollout",
            "num_images", "p_vs_baselines")
@@ -45,7 +45,8 @@ def method_heatmaps(model: nn.Module, images: torch.Tensor, labels: torch.Tensor
     device = next(model.parameters()).device
     methods = [m for m in (methods or applicable_methods(model)) if m not in BASELINES] + list(BASELINES)
     heatmaps = {}
-    for method in tqdm(methods, desc="explaining", unit="method", disable=not progress, leave=False):
+    for method in counted(methods, total=len(methods), desc=f"explaining {len(images):,} images",
+                          unit="methods", enabled=progress):
         options = (dict(grid=(grid, grid), seed=seed) if method == "random" else
                    dict(grid=(grid, grid)) if method == "centre" else {})
         heatmaps[method] = torch.cat([
@@ -66,8 +67,8 @@ def faithfulness_curves(model: nn.Module, images: torch.Tensor, labels: torch.Te
     options = dict(fractions=[fractions[j] for j in inner], grid=grid, batch_size=batch_size, seed=seed)
     any_map = next(iter(heatmaps.values()))
     found = {}
-    bar = tqdm(total=len(removals) * len(metrics) * len(heatmaps), desc="perturbing", unit="curve",
-               disable=not progress, leave=False)
+    bar = Progress(total=len(removals) * len(metrics) * len(heatmaps), desc=f"perturbing {len(images):,} images",
+                   unit="curves", enabled=progress)
     for removal in removals:
         # column 0: nothing removed, column 1: everything removed (deletion of fractions 0 and 1)
         ends = perturbation_curves(model, images, labels, any_map, metric="deletion", removal=removal,

@@ -7,6 +7,7 @@ splits the test set among the processes (contiguous, unpadded shards: each image
 
 from __future__ import annotations
 
+import html
 import json
 import sys
 from collections.abc import Sequence
@@ -17,17 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
-from tqdm import tqdm
 
 from ..atomic import atomic_write_csv, atomic_write_json, atomic_write_text
 from ..bench.timing import benchmark_model, measure_inference
 from ..models.checkpoints import load_run, load_shipped
+from ..models.registry import model_info
 from ..train.data import DataError, ImageDataModule, data_class_names
 from ..train.device import eval_device
 from ..train.distributed import is_global_zero, open_process_group, rank_zero_first
 from . import figures as viz
 from .faithfulness import deletion_test
 from .leaderboard import best_method, read_csv
+from .progress import counted
 from .rollout import explain
 
 
@@ -115,7 +117,7 @@ def most_confused(matrix: torch.Tensor, class_names: Sequence[str], top: int = 5
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]:
+def evaluate(model: nn.Module, dm: ImageDataModule, *, progress_on: bool = True) -> tuple[dict, torch.Tensor]:
     """Test-set metrics of ``model`` on ``dm`` (set up for "test"): ({"test_top1", "test_top5",
     "test_cross_entropy" (plain: no label smoothing, no test-time augmentation), "per_class_accuracy":
     {name: fraction, None for a class none of the tested images holds}, "most_confused": [...], "num_images"},
@@ -129,9 +131,10 @@ def evaluate(model: nn.Module, dm: ImageDataModule) -> tuple[dict, torch.Tensor]
     # the sums stay on the device until the end (one host read, not three per batch); float64 keeps counts exact
     totals = torch.zeros(3, dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
     count = 0
-    loader = dm.test_dataloader()  # a bar on a terminal only (disable=None): logs get the stage lines
-    bar_off = None if is_global_zero() else True
-    for images, labels in tqdm(loader, desc="test", unit="batch", leave=False, file=sys.stderr, disable=bar_off):
+    loader = dm.test_dataloader()  # this rank's share: a count of it on rank 0 (zoo.explain.progress)
+    shard = len(loader.sampler)
+    for images, labels in counted(loader, total=shard, desc=f"testing ({shard:,} images)", unit="images",
+                                  size=lambda batch: len(batch[1]), enabled=is_global_zero() and progress_on):
         images, labels = dm.normalize(images.to(device)), labels.to(device)
         logits = model(images).float()
         best = logits.topk(min(5, c), dim=1).indices
@@ -175,7 +178,8 @@ def explain_images(model: nn.Module, dm: ImageDataModule, num_images: int, out: 
     """For ``num_images`` test images spread over the classes: the attention maps of every layer over the
     final token set (maps_<i>.npy, (L, H, N, N), as the rollout uses them) and their PNG grid, CBAM gates
     (cbam_<i>_stage<k>.npy), and one figure per image (image | rollout overlay | CBAM stage maps) titled with
-    the true and predicted class. Returns the files written."""
+    the true and predicted class; index.html shows every image's figure and links its other files. Returns the
+    files written."""
     out.mkdir(parents=True, exist_ok=True)
     images, labels = spread_test_images(dm, num_images)
     device = next(model.parameters()).device
@@ -200,7 +204,30 @@ def explain_images(model: nn.Module, dm: ImageDataModule, num_images: int, out: 
                                      pred_name=dm.class_names[predicted[i]],
                                      rollout=None if found.rollout is None else found.rollout[i], cbam=gates)
         written.append(viz.save(fig, out / f"explain_{tag}.png"))
+    written.append(attention_index(out, written, [(dm.class_names[labels[i]], dm.class_names[predicted[i]])
+                                                  for i in range(len(images))]))
     return written
+
+
+def attention_index(out: Path, files: Sequence[Path], names: Sequence[tuple[str, str]]) -> Path:
+    """out/index.html: per explained image (``names``: its true and predicted class) its explain_<i>.png
+    shown and its other ``files`` (attention grid, .npy arrays) linked, by relative paths."""
+    sections = []
+    for i, (true, predicted) in enumerate(names):
+        tag = f"{i:03d}"
+        mine = [f.name for f in files if f.stem.split("_")[1:2] == [tag] and f.name != f"explain_{tag}.png"]
+        links = " ".join(f'<a href="{html.escape(name)}">{html.escape(name)}</a>' for name in mine)
+        sections.append(f"<h2>test image {i}: {html.escape(true)} (predicted {html.escape(predicted)})</h2>"
+                        f'<img src="explain_{tag}.png" alt="test image {i} explained"><p>{links}</p>')
+    page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>attention</title>"
+            "<style>body{font-family:sans-serif;margin:1.5em}img{max-width:100%}</style></head><body>"
+            "<h1>Attention, rollout and CBAM gates of the explained test images</h1>"
+            "<p>Each figure: the image, its attention rollout and each CBAM stage's spatial gate (the gate "
+            "multiplies that stage's features: lower = suppressed); below it the attention weights per layer "
+            "and head (maps_*.png), the arrays they are drawn from (*.npy).</p>"
+            + "".join(sections) + "</body></html>\n")
+    atomic_write_text(out / "index.html", page)
+    return out / "index.html"
 
 
 def run_deletion(model: nn.Module, dm: ImageDataModule, num_images: int, out: Path, *, title: str) -> dict:
@@ -286,13 +313,15 @@ def _best_faithfulness(run_dir: Path, out: Path, *labels: str) -> dict | None:
 def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: str | None = None,
                  batch_size: int = 256, deletion_images: int = 64, grid_images: int = 6,
                  cache_dir: str | None = None, device: str | None = None) -> list[dict]:
-    """Side by side: compare.md, compare.csv (model, params, FLOPs, test top-1, train and inference images/s,
+    """Side by side: compare.md, compare.csv (model, whether its training finished, params, FLOPs, test top-1 and
+    the number of test images it was measured on, train and inference images/s,
     deletion AUC of the model's explanation and of random, and the best method of an ``eval.py --faithfulness``
     leaderboard found in the run directory or in ``out``), accuracy_vs_throughput.png, and rollout_grid.png
     (the same test images' rollouts, or CBAM maps, across models). Reuses each run's summary.json and any
     metrics.json / benchmark.json / deletion.json found in the run directory; measures only what is missing
     (inference images/s with few repeats; deletion on ``deletion_images`` seeded test images; test top-1, if
-    neither summary.json nor metrics.json has it, on those same images only). A run given twice -> ValueError;
+    neither summary.json nor metrics.json has it, on those same images only); params and FLOPs of a run without
+    them in summary.json (an unfinished one) are counted on its model. A run given twice -> ValueError;
     rows are labelled by model and run id (by the run's path where two run ids are the same). ``device``: as
     ``evaluate_run``'s (None -> the GPU when there is one)."""
     out, run_dirs = Path(out), [Path(r) for r in run_dirs]
@@ -320,15 +349,20 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
             deletion = deletion_test(model, dm.normalize(images), labels)
         shape = tuple(dm.test_dataset.images.shape[1:])
         inference = bench.get("inference_images_per_s") or measure_inference(model, shape, 256, repeats=3)
-        top1 = summary.get("test_top1", metrics.get("test_top1"))
+        top1, tested = summary.get("test_top1"), (meta.get("config") or {}).get("max_test_images")
+        if top1 is None and metrics.get("test_top1") is not None:
+            top1, tested = metrics["test_top1"], metrics.get("num_images")
         if top1 is None:
-            top1 = evaluate(model, dm)[0]["test_top1"]
+            found = evaluate(model, dm)[0]
+            top1, tested = found["test_top1"], found["num_images"]
+        info = model_info(model) if summary.get("params") is None or summary.get("flops") is None else summary
         run_id = run_dir.name if names.count(run_dir.name) == 1 else str(run_dir)
         label = f"{meta['model_name']} ({run_id})" if len(run_dirs) > 1 else meta["model_name"]
         best = _best_faithfulness(run_dir, out, label, meta["model_name"], run_dir.name)
         explained = deletion["explanation"]
         rows.append({
-            "model": label, "params": summary.get("params"), "flops": summary.get("flops"), "test_top1": top1,
+            "model": label, "training": training_status(meta), "params": info["params"], "flops": info["flops"],
+            "test_top1": top1, "test_images": tested,
             "train_images_per_s": summary.get("train_images_per_s"), "inference_images_per_s": inference,
             "deletion_explanation": explained,
             "deletion_auc": deletion["auc"].get(explained) if explained else None,
@@ -352,6 +386,17 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
     return rows
 
 
+def training_status(meta: dict) -> str:
+    """"finished" for a run whose summary.json holds its test (train.py writes it at the end), else "unfinished"
+    with how far its checkpoint got (Lightning's 0-based epoch counted from 1) against the recipe's epochs."""
+    if (meta.get("summary") or {}).get("test_top1") is not None:
+        return "finished"
+    epoch, step, epochs = meta.get("epoch"), meta.get("global_step"), (meta.get("config") or {}).get("epochs")
+    where = [f"epoch {epoch + 1}" + (f" of {epochs}" if epochs else "") if epoch is not None else None,
+             None if step is None else f"step {step:,}"]
+    return "unfinished" + (f" (checkpoint at {', '.join(w for w in where if w)})" if any(where) else "")
+
+
 def _write_table(rows: list[dict], out: Path) -> None:
     columns = list(rows[0])
     atomic_write_csv(out / "compare.csv", columns, rows)
@@ -361,9 +406,16 @@ def _write_table(rows: list[dict], out: Path) -> None:
             return f"{value:.4g}"
         return "" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
 
+    def shown(row: dict, column: str) -> str:
+        if column == "test_images" and row[column] is None:
+            return "whole test split"
+        return cell(row[column])
+
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
-    note = ("\nAccuracies are fractions of the test set. Deletion AUC: area under top-1 vs fraction of 8x8 "
+    lines += ["| " + " | ".join(shown(r, c) for c in columns) + " |" for r in rows]
+    note = ("\nAccuracies are fractions of the test_images test images (the seeded subset a run was tested on, or "
+            "that this comparison tested where the run has no test result; an unfinished run has none: its "
+            "training did not reach the recipe's end). Deletion AUC: area under top-1 vs fraction of 8x8 "
             "patches blanked, most important first (lower = more faithful explanation). faithfulness_best: the best "
             "method of the faithfulness.csv (eval.py --faithfulness) in the run directory or this folder.\n")
     atomic_write_text(out / "compare.md", "\n".join(lines) + "\n" + note)

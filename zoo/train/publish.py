@@ -26,7 +26,7 @@ from ..models.checkpoints import load_run
 from ..models.hub import HUB_README, hub_config, hub_readme
 from ..models.registry import HUB_CONFIG, HUB_WEIGHTS, WEIGHTS_DIR, model_info
 from .data import ImageDataModule
-from .tta import tta_logits
+from .tta import REPORTED_TTA, tta_logits
 
 EVAL_BATCH = 500
 CHECK_IMAGES = 1000  # the card also gives the accuracy on this many test images, for a quick check of a copy
@@ -75,7 +75,7 @@ def build_card(model: nn.Module, meta: dict, dm: ImageDataModule, command: str) 
         "mean": list(mean), "std": list(std), "params": info["params"], "flops": info["flops"],
         "test_images": len(labels),
         "test_top1": test_accuracy(model, images, labels, mean, std, tta=0),
-        "test_top1_tta": test_accuracy(model, images, labels, mean, std, tta=2), "tta_level": 2,
+        "test_top1_tta": test_accuracy(model, images, labels, mean, std, tta=REPORTED_TTA), "tta_level": REPORTED_TTA,
         "check_images": len(check), "check_top1": test_accuracy(model, images[check], labels[check], mean, std),
         "command": command, "recipe": config, "machine": summary.get("machine", "unknown"),
         "precision": summary.get("precision"), "wall_time_s": summary.get("wall_time_s"),

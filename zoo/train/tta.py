@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 TTA_LEVELS = (0, 1, 2)
+TTA_NAMES = {0: "none", 1: "mirror", 2: "mirror + one-pixel shifts"}
+REPORTED_TTA = 2  # the level of every "with TTA" number the zoo reports: README, the model cards, eval.py --report
 
 
 def _mirror(forward: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor) -> torch.Tensor:
