@@ -654,3 +654,28 @@ def test_alternating_flip_moves_its_table_to_the_batch_device_once():
             flip(images, index)
     assert flip.start.device.type == "meta"
     assert [c.name for c in ops.calls].count("_to_copy") == 1
+
+
+def test_two_files_of_one_size_and_mtime_swapped_between_classes_rebuild_the_cache(tmp_path, decode_calls):
+    """A cat and a dog image of the same byte size and modification time trade places: the cache is rebuilt and
+    each class holds the pixels its file holds now (PIL's decode of the file), not the other's."""
+    write_imagefolder(tmp_path / "data")
+    cat, dog = tmp_path / "data" / "train" / "cat" / "0000.png", tmp_path / "data" / "train" / "dog" / "0000.png"
+    for path, value in ((cat, 10), (dog, 200)):  # uncompressed: equal sizes
+        Image.fromarray(np.full((32, 32, 3), value, dtype=np.uint8)).save(path, compress_level=0)
+        os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    make(tmp_path / "data", tmp_path).setup()
+    decoded = len(decode_calls)
+    stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in (cat, dog)]
+    cat.rename(tmp_path / "swap.png")
+    dog.rename(cat)
+    (tmp_path / "swap.png").rename(dog)
+    assert [(p.stat().st_size, p.stat().st_mtime_ns) for p in (cat, dog)] == stats  # name, size, mtime alike
+    make(tmp_path / "data", tmp_path).setup()
+    assert len(decode_calls) == 2 * decoded  # rebuilt
+    [cache] = cache_files(tmp_path)
+    images = torch.load(cache, weights_only=True)["train_images"]
+    per_class = len(list(cat.parent.iterdir()))
+    for row, path in ((0, cat), (per_class, dog)):  # the first file of each class, in the cache's sorted order
+        expected = torch.from_numpy(np.asarray(Image.open(path).convert("RGB"))).permute(2, 0, 1)
+        assert torch.equal(images[row], expected), path

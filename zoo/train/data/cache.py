@@ -51,9 +51,16 @@ def cache_path(source: Path, cache_dir: Path | None, img_size: int, limits: Limi
     return user_cache_dir() / hashlib.sha1(str(source).encode()).hexdigest()[:16] / name
 
 
+def _file_key(name: str, st: os.stat_result) -> bytes:
+    """What identifies one data file's content without reading it: its name, size, modification time, and the
+    inode and status-change time (ctime), which a program cannot set: any write to the file, or a rename onto its
+    name (two files of one size and mtime swapped between class folders), changes them."""
+    return f"{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}\0".encode()
+
+
 def data_fingerprint(layout: str, source: Path) -> str:
-    """A hash of the data files: each file's name, size and modification time (ImageFolder files and CIFAR
-    batches), so contents replaced under the same names rebuild the cache."""
+    """A hash of the data files' keys (``_file_key``: ImageFolder files and CIFAR batches), so contents replaced or
+    moved under the same names rebuild the cache."""
     h = hashlib.sha1(layout.encode())
     if layout == "imagefolder":
         for split in SPLITS:
@@ -61,12 +68,10 @@ def data_fingerprint(layout: str, source: Path) -> str:
                 h.update(f"{split}/{folder.name}:".encode())
                 entries = sorted((e for e in os.scandir(folder) if e.is_file()), key=lambda e: e.name)
                 for entry in entries:
-                    st = entry.stat()  # follows links, as the decoder does
-                    h.update(f"{entry.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+                    h.update(_file_key(entry.name, entry.stat()))  # stat follows links, as the decoder does
     else:
         for path in batch_files(source):
-            st = path.stat()
-            h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+            h.update(_file_key(path.name, path.stat()))
     return h.hexdigest()
 
 
