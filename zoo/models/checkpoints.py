@@ -4,14 +4,15 @@ timm state_dict, resampling the position embedding. Only torch is needed to read
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..layers.cbam import current_cbam_keys
-from .registry import create_model, model_card, shipped_models
-from .run_files import read_summary
+from .registry import check_model_args, check_model_fits, create_model, list_models, model_card, shipped_models
+from .run_files import read_config, read_summary
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -50,13 +51,38 @@ def _model_state(ckpt: dict) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
 
 
+def _rebuilt(ckpt_path: Path, ckpt: dict) -> nn.Module:
+    """The model a checkpoint's hyper-parameters describe, with its weights; every way the two do not fit (model
+    arguments that are not a mapping or that the model does not take, a model too large for this machine, checked
+    on the meta device before anything is allocated, weights of another shape or missing) -> ValueError naming
+    the file."""
+    hp = ckpt["hyper_parameters"]
+    name, args, num_classes = hp["model_name"], hp.get("model_args") or {}, hp.get("num_classes")
+    try:
+        if not isinstance(args, Mapping) or not all(isinstance(key, str) for key in args):
+            raise ValueError(f"model_args is {args!r}, expected a mapping of argument names")
+        if not isinstance(name, str):
+            raise ValueError(f"model_name is {name!r}, expected one of {', '.join(list_models())}")
+        if name.removeprefix("zoo_") not in list_models():
+            create_model(name)  # the registry's ValueError, with close matches
+        check_model_args(name, args, prefix="model_args.")  # an unknown name, which create_model passes to timm
+        check_model_fits(name, num_classes=num_classes, **args)
+        model = create_model(name, num_classes=num_classes, **args)
+    except ValueError as err:
+        raise ValueError(f"{ckpt_path}: {err}") from None
+    try:
+        model.load_state_dict(_model_state(ckpt))
+    except (RuntimeError, TypeError, AttributeError) as err:  # missing or unexpected keys, shapes: torch's list
+        raise ValueError(f"{ckpt_path} does not hold the weights of {name} with its model_args: "
+                         f"{' '.join(str(err).split())[:300]}") from None
+    return model
+
+
 def load_run(path: str | Path) -> tuple[nn.Module, dict]:
     """``(model in eval mode on CPU, meta)`` from a run directory (best.ckpt preferred, else last.ckpt) or a
     .ckpt path. ``meta``: {"summary": summary.json or {}, "config": config.yaml or {}, "ckpt_path",
     "model_name", "model_args", "num_classes", "global_step", "epoch"}. Missing / truncated / foreign
-    checkpoints -> ValueError."""
-    import yaml
-
+    checkpoints, and hyper-parameters, weights or a config.yaml that do not fit -> ValueError in one line."""
     path = Path(path)
     if path.is_dir():
         ckpts = [path / "checkpoints" / name for name in ("best.ckpt", "last.ckpt")]
@@ -69,13 +95,12 @@ def load_run(path: str | Path) -> tuple[nn.Module, dict]:
         ckpt_path, run_dir = path, path.parent.parent
     ckpt = _zoo_checkpoint(ckpt_path)
     hp = ckpt["hyper_parameters"]
-    model = create_model(hp["model_name"], num_classes=hp["num_classes"], **(hp.get("model_args") or {}))
-    model.load_state_dict(_model_state(ckpt))
-    model.eval()
     summary_file, config_file = run_dir / "summary.json", run_dir / "config.yaml"
+    config = read_config(config_file) if config_file.is_file() else {}  # before the model: it may be large
+    model = _rebuilt(ckpt_path, ckpt).eval()
     meta = {
         "summary": read_summary(summary_file) if summary_file.is_file() else {},
-        "config": yaml.safe_load(config_file.read_text()) if config_file.is_file() else {},
+        "config": config,
         "ckpt_path": str(ckpt_path), "model_name": hp["model_name"],
         "model_args": dict(hp.get("model_args") or {}),
         "num_classes": hp["num_classes"], "global_step": ckpt.get("global_step"), "epoch": ckpt.get("epoch"),

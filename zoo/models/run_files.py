@@ -1,4 +1,4 @@
-"""Reading a run directory's summary.json and metrics.csv back, checked: a file that is truncated, not the
+"""Reading a run directory's summary.json, metrics.csv and config.yaml back, checked: a file that is truncated, not the
 expected shape, or holds a value of the wrong type -> ValueError in one line naming the file and what is wrong
 (never a TypeError or a bare JSON / float message from deep inside). ``--resume``, ``load_run`` and eval.py read
 them through here."""
@@ -50,6 +50,45 @@ def read_summary(path: str | Path) -> dict:
         if value is not None and (len(value) != 3 or not all(
                 isinstance(v, _NUMBER) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
             raise _bad(path, f"{key} is {value!r}, expected 3 finite numbers")
+    return data
+
+
+# config.yaml keys eval.py reads back to find and decode a run's test data
+CONFIG_TYPES: dict[str, tuple[type, ...]] = {
+    "img_size": (int,), "val_size": (int,), "seed": (int,), "max_train_images": (int, type(None)),
+    "max_test_images": (int, type(None)), "epochs": (int,), "data_dir": (str, type(None)),
+    "cache_dir": (str, type(None)),
+}
+
+
+def read_config(path: str | Path) -> dict:
+    """The recipe in ``path`` (a run's config.yaml) as a mapping, read by YAML's safe loader, the keys eval.py
+    uses type-checked (``img_size`` a positive int, ...); malformed YAML, a list or a wrong type -> ValueError."""
+    import yaml
+
+    path = Path(path)
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path} is damaged ({what}); restore it: it is the run's recipe, as train.py "
+                          "--print-config writes one")
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except UnicodeDecodeError:
+        raise bad("not text") from None
+    except yaml.YAMLError as err:
+        raise bad(f"not YAML: {str(err).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise bad(f"a YAML {type(data).__name__}, not a mapping of recipe keys")
+    for key, types in CONFIG_TYPES.items():
+        value = data.get(key)
+        if key in data and (not isinstance(value, types) or isinstance(value, bool)
+                            or isinstance(value, int) and not 0 <= value < 2**63
+                            or key == "img_size" and value < 1):
+            raise bad(f"{key} is {value!r}, expected {' or '.join(t.__name__ for t in types)}"
+                      f"{' >= 1' if key == 'img_size' else ''}")
     return data
 
 
