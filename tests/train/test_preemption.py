@@ -263,6 +263,8 @@ def test_resume_auto_with_nothing_to_resume_says_so(argv, tmp_path, monkeypatch,
     assert code == 128 + signal.SIGUSR1
     out = capsys.readouterr().out
     assert sum("--resume auto: no run of vit_nano" in line for line in out.splitlines()) == 1
+    # stopped before any training row was logged: metrics.csv is there all the same, as every run's is
+    assert "step" in _rows(_only_run(tmp_path))[0]
 
 
 @pytest.mark.slow
