@@ -100,7 +100,7 @@ def report_figure(data_dir: str | None, out: str | Path, *, report_dir: str | Pa
         info.add_text(REPORT_DATA_KEY, json.dumps(drawn_from(folder), sort_keys=True))
         out.parent.mkdir(parents=True, exist_ok=True)
         with Image.open(shot) as image:
-            image.convert("RGB").save(out, pnginfo=info, optimize=True)
+            image.convert("RGB").quantize(256).save(out, pnginfo=info, optimize=True)  # 256 colours: a page
     return out
 
 
