@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer, TQDMProgressBar, WeightAveraging
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, _update_n, convert_inf
 
+from .compiled import CompiledStep
 from .device import synchronize
 from .forecast import RunForecast, StepClock, format_duration, guess_val_time, steps_in_budget
 from .optim import ema_multi_avg_fn
@@ -162,30 +163,51 @@ class EMAWeightAveraging(WeightAveraging):
     """Lightning's ``WeightAveraging`` (validation, checkpoints and the test see the average) with the EMA of
     ``optim.ema_multi_avg_fn`` after every optimizer step, over parameters and buffers. The update never syncs:
     ``AveragedModel.update_parameters`` would read its count on the host twice per update (``bool(n == 0)``),
-    so the callback runs the foreach average itself, the count staying on the device."""
+    so the callback runs the foreach average itself, the count staying on the device. Under ``compile: step``
+    the update joins the compiled optimizer step (``compiled.CompiledStep.after_step``)."""
 
     def __init__(self, decay: float):
         self._average_fn = ema_multi_avg_fn(decay)
         super().__init__(use_buffers=True, multi_avg_fn=self._average_fn)
+        self._in_step = False
+
+    def on_train_start(self, trainer, pl_module):
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self._in_step = isinstance(optimizer, CompiledStep)
+        if self._in_step:
+            optimizer.after_step.append(self._updater(pl_module))
+
+    def _updater(self, pl_module):
+        """The update as a function of no argument over the tensors it averages (gathered once; not detached: a
+        detached alias of a parameter beside the parameter itself would make a compiled step copy every
+        parameter in and out)."""
+        average = self._average_model
+        pairs = zip(chain(average.module.parameters(), average.module.buffers()),
+                    chain(pl_module.parameters(), pl_module.buffers()), strict=True)
+        groups: dict[torch.dtype, tuple[list, list]] = {}
+        copied: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for averaged, current in pairs:
+            if averaged.is_floating_point():
+                lists = groups.setdefault(averaged.dtype, ([], []))
+                lists[0].append(averaged)
+                lists[1].append(current)
+            else:  # integer buffers (counters, flags) follow the model, as AveragedModel copies them
+                copied.append((averaged, current))
+
+        @torch.no_grad()
+        def update():
+            for averaged, current in copied:
+                averaged.copy_(current)
+            for averaged, current in groups.values():
+                self._average_fn(averaged, current, average.n_averaged)
+            average.n_averaged.add_(1)
+        return update
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step_idx = trainer.global_step - 1  # as WeightAveraging: updates once per optimizer step
         if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
-            average = self._average_model
-            pairs = zip(chain(average.module.parameters(), average.module.buffers()),
-                        chain(pl_module.parameters(), pl_module.buffers()), strict=True)
-            groups: dict[torch.dtype, tuple[list, list]] = {}
-            for averaged, current in pairs:
-                averaged, current = averaged.detach(), current.detach()
-                if averaged.is_floating_point():
-                    lists = groups.setdefault(averaged.dtype, ([], []))
-                    lists[0].append(averaged)
-                    lists[1].append(current)
-                else:  # integer buffers (counters, flags) follow the model, as AveragedModel copies them
-                    averaged.copy_(current)
-            for averaged, current in groups.values():
-                self._average_fn(averaged, current, average.n_averaged)
-            average.n_averaged += 1
+            if not self._in_step:  # the compiled step updated already
+                self._updater(pl_module)()
             self._latest_update_step = trainer.global_step
 
 

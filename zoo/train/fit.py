@@ -36,7 +36,9 @@ from .callbacks import (
     ValidationClock,
 )
 from .checks import parse_max_time
+from .compiled import compile_cache_dir, inductor_cache_counts, use_compile_cache
 from .data import ImageDataModule
+from .data.cache import user_cache_dir
 from .distill import load_teacher
 from .device import (
     compile_for,
@@ -215,6 +217,7 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
     if plan.accelerator == "gpu":  # fp32 matmuls on tensor cores (TF32), as --precision 32 users of a GPU expect
         torch.set_float32_matmul_precision("high")
     start = time.perf_counter()
+    compiling = start_compile_cache(plan)
     module = build_module(plan, dm)
     callbacks = build_callbacks(plan, spent_s=plan.setup_s + time.perf_counter() - start,
                                 test_images=tested_images(plan.recipe, dm))
@@ -235,8 +238,34 @@ def train_and_test(plan: RunPlan, dm: ImageDataModule) -> Path:
     with stops_at_once("during the final test", last):  # Lightning would exit 0 (SIGTERM) or 1 (Ctrl-C)
         tested = run_test(trainer, module, dm, callbacks.best)
     if trainer.is_global_zero:
-        atomic_write_json(plan.run_dir / "summary.json", summarize(plan, trainer, callbacks, fit_s, tested))
+        summary = summarize(plan, trainer, callbacks, fit_s, tested)
+        atomic_write_json(plan.run_dir / "summary.json", {**summary, **compile_facts(trainer, compiling)})
     return plan.run_dir
+
+
+def start_compile_cache(plan: RunPlan) -> dict | None:
+    """Where a compiling recipe's kernels are kept (``compiled.compile_cache_dir`` under the user cache folder,
+    one per torch version, device and model / compile settings), and Inductor's cache counters now; None when
+    the recipe compiles nothing."""
+    r = plan.recipe
+    if not r.compile:
+        return None
+    settings = {"model": r.model, "model_args": model_args(r), "compile": r.compile, "precision": plan.precision,
+                "channels_last": uses_channels_last(r), "optimizer": r.optimizer, "muon_dtype": r.muon_dtype}
+    folder = use_compile_cache(compile_cache_dir(user_cache_dir(), plan.accelerator, plan.machine, settings))
+    return {"folder": folder, **inductor_cache_counts()}
+
+
+def compile_facts(trainer: pl.Trainer, compiling: dict | None) -> dict:
+    """summary.json's compile keys: ``compile_s``, the seconds of the first training step under ``compile: step``
+    (which compiles; training seconds and images/s include it, ``train_images_per_s_after_first_epoch`` does not),
+    and the Inductor cache's hits and misses in this process (a second run on the machine hits)."""
+    if compiling is None:
+        return {}
+    counts = inductor_cache_counts()
+    return {"compile_s": getattr(trainer.optimizers[0], "compile_s", None) if trainer.optimizers else None,
+            "compile_cache": str(compiling["folder"]),
+            **{key: counts[key] - compiling[key] for key in counts}}
 
 
 def build_datamodule(recipe: Recipe) -> ImageDataModule:

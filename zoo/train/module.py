@@ -17,6 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..layers.whitening import PatchWhitening
 from ..models import compile_regions, create_model
+from .compiled import CompiledStep, StepSchedule
 from .distill import distillation_loss
 from .device import accelerator_of, forked_generators, host_sync_every, resolve_muon_dtype
 from .optim import WarmupCosine, WarmupDecay, build_optimizer, param_groups
@@ -81,7 +82,8 @@ class ImageClassifier(pl.LightningModule):
             (``zoo.models.compile_regions``: seconds to compile, the convolutions stay eager), "step" the
             training step's forward and loss as one graph whose backward inductor compiles too
             (``compiled_train_loss``: replayed as CUDA graphs on CUDA, so without gradient accumulation; under
-            DDP, dynamo splits it at the gradient buckets), evaluation eager.
+            DDP, dynamo splits it at the gradient buckets), and the optimizer step, the EMA of the weights and
+            the learning rate as a second graph (``zoo.train.compiled.CompiledStep``); evaluation eager.
         tta: test-time augmentation level of validation and test (``zoo.train.tta``: 0 none, 1 mirror,
             2 mirror + 1-pixel translations).
         nan_check_every: steps between host-side checks of the non-finite-loss flag (every checkpoint
@@ -226,6 +228,13 @@ class ImageClassifier(pl.LightningModule):
         for layer in self.whitening_layers:
             layer.fit(images.to(layer.weight.device))
 
+    def on_train_start(self):
+        optimizer = self.trainer.optimizers[0] if self.trainer.optimizers else None
+        if isinstance(optimizer, CompiledStep):
+            optimizer.sync_schedule(self.lr_schedulers(), self.global_step)
+            if self.trainer.is_global_zero:
+                print("compiling the training step (the first run on this machine takes longer)", flush=True)
+
     def on_fit_start(self):
         for teacher in self._teacher:  # not a submodule: Lightning did not move it
             teacher.to(self.device)
@@ -239,13 +248,19 @@ class ImageClassifier(pl.LightningModule):
         hp = self.hparams
         groups = param_groups(self.model, hp.lr, hp.weight_decay, hp.no_decay_lr_scale)
         head = self.model.get_classifier()  # timm's API, which every zoo model has: Muon leaves the head to AdamW
+        compiled = hp.compile == "step"
         optimizer = build_optimizer(hp.optimizer, groups, hp.lr, momentum=hp.momentum,
                                     fused=self.device.type in FUSED_OPTIMIZER_DEVICES,
                                     muon_exclude={id(p) for p in head.parameters()},
-                                    muon_dtype=resolve_muon_dtype(hp.muon_dtype, accelerator_of(self.device)))
+                                    muon_dtype=resolve_muon_dtype(hp.muon_dtype, accelerator_of(self.device)),
+                                    compiled=compiled)
+        if compiled:  # the rates as device tensors, which the compiled step writes and reads
+            for group in optimizer.param_groups:
+                group["lr"] = torch.tensor(float(group["lr"]), device=self.device)
+            optimizer = CompiledStep(optimizer)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = WarmupDecay(round(total * hp.warmup_frac), total, hp.min_lr_ratio, hp.schedule)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = (StepSchedule if compiled else torch.optim.lr_scheduler.LambdaLR)(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def refit_schedule(self, total_steps: int) -> None:
@@ -253,3 +268,6 @@ class ImageClassifier(pl.LightningModule):
         schedule = self.lr_schedulers().lr_lambdas[0]
         schedule.total_steps = max(int(total_steps), self.global_step + 1)
         schedule.warmup_steps = round(schedule.total_steps * self.hparams.warmup_frac)
+        optimizer = self.trainer.optimizers[0]
+        if isinstance(optimizer, CompiledStep):  # the next step's rate, computed before the refit, again
+            optimizer.sync_schedule(self.lr_schedulers(), self.global_step)

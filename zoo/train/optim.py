@@ -6,7 +6,9 @@ average of the weights with a warm-up of its decay (airbench's Lookahead / EMA, 
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 
 import torch
 from timm.optim import param_groups_weight_decay
@@ -147,14 +149,18 @@ class FilterMuon(torch.optim.Muon):
         torch.optim.Optimizer.__init__(self, params, defaults)
 
     def _init_group(self, group, params_with_grad, grads, muon_momentum_bufs) -> bool:
+        """The parameters with a gradient, their gradients and momentum buffers (as matrices); the parameters and
+        gradients as they are (``step`` takes their matrices: made there, the views are part of a compiled step's
+        graph rather than inputs aliasing the parameters)."""
         for p in group["params"]:
             if p.grad is None:
                 continue
-            params_with_grad.append(_matrix(p, p, view=True))  # in-place updates of the view reach p
-            grads.append(_matrix(p.grad, p, view=False))
+            params_with_grad.append(p)
+            grads.append(p.grad)
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(params_with_grad[-1], memory_format=torch.contiguous_format)
+                state["momentum_buffer"] = torch.zeros_like(_matrix(p, p, view=False),
+                                                            memory_format=torch.contiguous_format)
             muon_momentum_bufs.append(state["momentum_buffer"])
         return False  # no complex parameters
 
@@ -173,6 +179,8 @@ class FilterMuon(torch.optim.Muon):
             self._init_group(group, params, grads, buffers)
             if not params:
                 continue
+            grads = [_matrix(g, p, view=False) for g, p in zip(grads, params, strict=True)]
+            params = [_matrix(p, p, view=True) for p in params]  # in-place updates of the view reach p
             if found_inf is not None:  # non-finite gradients zeroed: times a zero weight they would still be NaN
                 scale = 1.0 if grad_scale is None else grad_scale  # None: unscaled already (scaler.unscale_)
                 grads = [torch.where(g.isfinite(), g / scale, 0.0) for g in grads]
@@ -189,7 +197,11 @@ class FilterMuon(torch.optim.Muon):
                                       group["ns_coefficients"], group["eps"], self.ns_dtype, self._workspace)
                 for i, matrix in zip(members, ortho.unbind(0), strict=True):
                     rate = _adjust_lr(lr, group["adjust_lr_fn"], params[i].shape)
-                    _wide(params[i]).add_(matrix if found_inf is None else matrix * keep, alpha=-rate)
+                    step = matrix if found_inf is None else matrix * keep
+                    if isinstance(rate, torch.Tensor):  # a compiled step's rate, a device tensor: no host read
+                        _wide(params[i]).sub_(step * rate)
+                    else:
+                        _wide(params[i]).add_(step, alpha=-rate)
         return loss
 
 
@@ -201,9 +213,9 @@ class MuonAdamW(torch.optim.Optimizer):
     round-trip both."""
 
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float, *, momentum: float = 0.95,
-                 fused: bool = False, ns_dtype: torch.dtype = torch.bfloat16):
+                 fused: bool = False, ns_dtype: torch.dtype = torch.bfloat16, compiled: bool = False):
         self.muon = FilterMuon(muon_groups, lr=lr, momentum=momentum, ns_dtype=ns_dtype)
-        self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, fused=fused)
+        self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, fused=fused, **_compiled_adamw(compiled))
         super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
         self._share()
 
@@ -231,6 +243,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         scaling = {"grad_scale": getattr(self, "grad_scale", None), "found_inf": getattr(self, "found_inf", None)}
         self.muon.step(**scaling)
+        if scaling["grad_scale"] is None and scaling["found_inf"] is None:
+            unwrapped_step(self.adamw)()  # under this step's no_grad; one graph when compiled (no torch wrapper)
+            return loss
         vars(self.adamw).update(scaling)  # where torch's Adam(W).step reads a GradScaler's tensors
         try:
             self.adamw.step()
@@ -239,21 +254,31 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
 
+def unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:
+    """``optimizer.step`` without torch's wrappers (the profiler hook, and ``_use_grad_for_differentiable``, whose
+    two ``torch._dynamo.graph_break()`` calls would split a compiled step): the caller holds ``torch.no_grad``."""
+    return inspect.unwrap(type(optimizer).step).__get__(optimizer)
+
+
 class NothingToStep(ValueError):
     """A Muon optimizer asked of a model with no tensor of the kind it steps (muon: weight matrices)."""
 
 
 def build_optimizer(name: str, groups: list[dict], lr: float, *, momentum: float = 0.9,
                     fused: bool = False, muon_exclude: set[int] = frozenset(),
-                    muon_dtype: str = "bfloat16") -> torch.optim.Optimizer:
+                    muon_dtype: str = "bfloat16", compiled: bool = False) -> torch.optim.Optimizer:
     """AdamW (torch's defaults otherwise), SGD with Nesterov ``momentum``, or ``MuonAdamW`` (the 2-D
     weights not in ``muon_exclude`` on Muon; ``muon_conv``: the conv filters too; its iteration in
-    ``muon_dtype``, "float32" or "bfloat16"), over ``groups``. A Muon optimizer with no tensor of its kind ->
+    ``muon_dtype``, "float32" or "bfloat16"), over ``groups``. ``compiled``: stepped inside ``torch.compile``
+    (``compile: step``), so AdamW runs ``foreach`` with ``capturable`` (its step count and bias corrections stay
+    device tensors, the rate may be one) and nothing is fused. A Muon optimizer with no tensor of its kind ->
     ``NothingToStep``."""
+    fused = fused and not compiled
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, fused=fused)
+        return torch.optim.AdamW(groups, lr=lr, fused=fused, **_compiled_adamw(compiled))
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, fused=fused)
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, fused=fused,
+                               foreach=True if compiled else None)
     if name in ("muon", "muon_conv"):
         split = muon_split(groups, muon_exclude, filters=name == "muon_conv")
         if not split[0]:  # torch would fail later on an empty parameter list, in its own words
@@ -261,8 +286,14 @@ def build_optimizer(name: str, groups: list[dict], lr: float, *, momentum: float
                              "filters or the classifier's): use --optimizer muon_conv (filters too) or adamw")
         if muon_dtype not in MUON_DTYPES:
             raise ValueError(f"muon_dtype must be one of {tuple(MUON_DTYPES)}, got {muon_dtype!r}")
-        return MuonAdamW(*split, lr, momentum=momentum, fused=fused, ns_dtype=MUON_DTYPES[muon_dtype])
+        return MuonAdamW(*split, lr, momentum=momentum, fused=fused, ns_dtype=MUON_DTYPES[muon_dtype],
+                         compiled=compiled)
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+
+
+def _compiled_adamw(compiled: bool) -> dict:
+    """AdamW's options when a compiled graph steps it (``build_optimizer``'s ``compiled``)."""
+    return {"foreach": True, "capturable": True} if compiled else {}
 
 
 def ema_multi_avg_fn(decay: float):
