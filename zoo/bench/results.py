@@ -27,14 +27,14 @@ import torch
 from ..atomic import atomic_write_text
 
 KINDS = ("train", "shipped", "model_info", "modes", "optimizer_cost", "muon", "suite", "sparse", "faithfulness",
-         "gpu")
+         "gpu", "compiled_step")
 # The fields each kind's ``numbers`` must have; a kind measured as a table has ``rows``.
 REQUIRED = {
     "train": ("model", "budget", "setting", "precision", "seed", "steps", "train_images_per_s", "test_top1", "tta"),
     "shipped": ("model", "test_top1", "test_top1_tta", "test_images"),
     "model_info": ("rows",), "modes": ("rows",), "optimizer_cost": ("rows",), "muon": ("rows",),
     "suite": ("attention_op", "whole_model"), "sparse": ("rows", "claims"), "faithfulness": ("rows",),
-    "gpu": ("rows",),
+    "gpu": ("rows",), "compiled_step": ("rows",),
 }
 MACHINE_FIELDS = ("id", "cpu", "vendor", "family", "model", "flags", "cores", "memory_gib", "gpu")
 VERSION_FIELDS = ("python", "torch", "timm", "lightning", "zoo")
