@@ -33,8 +33,8 @@ def image_tree(tmp_path_factory, image_tree_writer):
 
 
 PLAN_LINE = (r"^cpu \(.*\), precision 32-true, optimizer (\w+), batch 8: (\d+) epochs x (\d+) steps = ([\d,]+) steps"
-             r"(, ([\d,]+) done)?; about (.+) in all \(([\d.]+) s a step, timed before training; validation and test "
-             r"included\)$")
+             r"(, ([\d,]+) done)?; about (.+) in all \((.+) training and validation, (.+) the test of ([\d,]+) images "
+             r"x (\d+) pass(es)?; ([\d.]+) s a step, timed before training\)$")
 TRAINING_BAR = re.compile(r"Epoch (\d+): +\d+%\|[^|]*\| *(\d+)/(\S+) steps")
 # warnings of the libraries: Python's form (file:line: Category: message), torch's logging form (W1205 12:00:00 ...)
 LIBRARY_WARNING = re.compile(r"(site-packages|Warning: |^[WE]\d{4} \d\d:\d\d:\d\d|weights_only|current_model_state|"
@@ -62,6 +62,7 @@ def plan_before_training(lines: list[str]) -> tuple[re.Match, list[tuple[int, in
     (epoch, count, total) as drawn."""
     plans = [i for i, line in enumerate(lines) if re.match(PLAN_LINE, line)]
     assert len(plans) == 1, lines
+    assert lines[0].startswith("vit_nano: reading the images of ")  # the run's first line, before the data
     bars = [(i, TRAINING_BAR.search(line)) for i, line in enumerate(lines)]
     drawn = [(i, int(m[1]), int(m[2]), m[3]) for i, m in bars if m]
     stepped = [i for i, _, count, _ in drawn if count > 0]
@@ -82,6 +83,7 @@ def test_first_screen_says_size_plan_and_time_without_library_noise(image_tree, 
     assert f"vit_nano: {params / 1e6:.2f} M parameters" in screen
     plan, bar = plan_before_training(lines)
     assert plan.group(1, 2, 3, 4) == ("adamw", "1", "6", "6")
+    assert plan.group(10) == "20"  # the tree's test images: 2 of each of 10 classes
     assert "cpu_budget" not in screen  # a run of seconds gets no hint
     assert_quiet(screen)
     assert {total for _, _, total in bar} == {"6"} and bar[-1][1] == 6  # the run's 6 steps, never an epoch's
@@ -100,6 +102,7 @@ def test_the_cpu_recipe_and_its_resume_show_the_runs_steps_without_library_noise
     screen, lines = train_screen([*args, "--epochs", "1"], tmp_path, env)
     plan, bar = plan_before_training(lines)
     assert plan.group(2, 3, 4) == ("1", "3", "3") and plan.group(6) is None
+    assert plan.group(10, 11) == ("20", "1")  # tta 0: one pass over the tree's 20 test images
     assert {total for _, _, total in bar} == {"3"} and bar[-1][1] == 3
     assert_quiet(screen)
 

@@ -271,6 +271,8 @@ def compile_facts(trainer: pl.Trainer, compiling: dict | None) -> dict:
 def build_datamodule(recipe: Recipe) -> ImageDataModule:
     """The data module, its data found (or downloaded), decoded into the cache and split."""
     dm = ImageDataModule(**recipe.kwargs_for(ImageDataModule, memory_budget=recipe.data_memory_budget))
+    if is_global_zero():  # the first line of a run: reading (or decoding) the data comes first
+        print(f"{recipe.model}: reading the images of {dm.data_dir}", flush=True)
     dm.prepare_data()
     dm.setup("fit")
     return dm

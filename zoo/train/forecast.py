@@ -193,14 +193,18 @@ class RunForecast(pl.Callback):
         if self.budget_s is None:
             schedule = f"{recipe.epochs} epochs x {per_epoch} steps = {total:,} steps"
         else:
-            schedule = (f"{total:,} steps (about {total / per_epoch:.2g} of the recipe's {recipe.epochs} epochs of "
-                        f"{per_epoch} steps) in --max-time {recipe.max_time}")
+            schedule = (f"{total:,} step{'s' if total != 1 else ''} (about {total / per_epoch:.2g} of the recipe's "
+                        f"{recipe.epochs} epochs of {per_epoch} steps) in --max-time {recipe.max_time}")
         if trainer.global_step:
             schedule += f", {trainer.global_step:,} done"
         timed = "timed before training" if self.probe_step_s is not None and not self._measured else "measured"
+        passes, test_s = getattr(pl_module, "eval_passes", 1), self._test_time(pl_module)
+        test = (f"{format_duration(test_s)} the test of {self.test_images:,} images x {passes} "
+                f"pass{'es' if passes > 1 else ''}") if self.test_images else "no test"
         self._say(trainer, f"{self.accelerator} ({self.machine}), precision {trainer.precision}, optimizer "
                            f"{recipe.optimizer}, batch {recipe.batch_size}: {schedule}; about {format_duration(eta)} "
-                           f"in all ({self.step_time:.3g} s a step, {timed}; validation and test included)")
+                           f"in all ({format_duration(eta - test_s)} training and validation, {test}; "
+                           f"{self.step_time:.3g} s a step, {timed})")
         regularisers = long_schedule_settings(recipe)
         if self.budget_s is not None and total < 3 * per_epoch and recipe.epochs >= 30 and regularisers:
             self._say(trainer, f"the budget covers {total / per_epoch:.2g} of {recipe.epochs} epochs, and the "
