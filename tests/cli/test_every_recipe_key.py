@@ -132,9 +132,12 @@ def test_a_product_beyond_float32_is_refused():
 
 
 def test_the_largest_accepted_values_train(cifar_dir, tmp_path):
-    """Settings at the top of their ranges train: two steps on 64 real images, exit 0."""
+    """Settings at the top of their ranges (or 10**30 where that is beyond any sense but within float32) train: two
+    steps on 64 real images, exit 0."""
     edge = {"ckpt_every_minutes": MAX_MINUTES, "ckpt_every_n_steps": INT64_MAX, "seed": 2**32 - 1,
-            "no_decay_lr_scale": 1.0e4, "augment.crop_padding": 32, "augment.cutout": 32,
+            "no_decay_lr_scale": 1e30, "weight_decay": 1e30, "momentum": 1e30, "warmup_epochs": 1e30,
+            "min_lr_ratio": 1e30, "augment.mixup_alpha": 1e30, "augment.cutmix_alpha": 1e30,
+            "augment.crop_padding": 32, "augment.cutout": 32,
             "model_args.drop_path_rate": 0.99, "data_memory_budget": FLOAT32_MAX, "max_test_images": 16}
     cmd = [sys.executable, "train.py", "--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1",
            "--max-train-images", "64", "--limit-train-batches", "2", "--limit-val-batches", "1",
