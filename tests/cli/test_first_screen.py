@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -174,6 +175,26 @@ def test_a_budget_far_below_a_regularised_schedule_says_so_and_the_cpu_recipe_do
     short = resolve_config("hybrid_tiny", str(REPO / "configs" / "cpu_budget.yaml"), [], {"max_time": "00:00:08:00"})
     assert long_schedule_settings(short) == []
     assert len(announce(short, step_time=1.0, budget_s=480.0)[0].lines) == 1
+
+
+def test_the_bar_counts_the_steps_a_budget_buys_and_a_resumed_runs_fitted_schedule():
+    """With --max-time the bar's total is the steps the budget buys: before TimeBudget has fitted its schedule, from
+    the probe's step time by TimeBudget's own formula (worked by hand here); once fitted, or restored from a resumed
+    run's checkpoint, TimeBudget's step count."""
+    from zoo.train.callbacks import LossProgressBar, TimeBudget
+
+    recipe = resolve_config("vit_tiny", None, [], {"max_time": "00:00:10:00"})
+    budget = TimeBudget(600.0)
+    forecast = RunForecast(recipe, "cpu", "a test CPU", budget_s=600.0, probe_step_s=2.0)
+    trainer, module = fake_run(recipe, steps_per_epoch=351)
+    trainer.callbacks, trainer.lightning_module = [budget, forecast], module
+    forecast._fit_t0 = time.perf_counter()  # as on_fit_start
+    forecast.on_train_start(trainer, module)  # the plan line, from the probe's 2 s a step
+    bar = LossProgressBar()
+    val = 2.0 / 3 * 2 * 10  # a validation pass: a third of a step per batch and TTA pass, 10 batches
+    assert bar.run_steps(trainer) == 4 + int((600 - val) / (2.0 + val / 351))
+    budget.load_state_dict({"step_time": 1.5, "val_time": 3.0, "total_steps": 123, "elapsed": 100.0})
+    assert bar.run_steps(trainer) == 123
 
 
 def first_line_within(code: str, seconds: float) -> str | None:
