@@ -27,7 +27,7 @@ def log_softmax_by_hand(row: list[float]) -> list[float]:
 
 def test_hard_term_is_cross_entropy_on_the_teachers_top_class():
     student, teacher = torch.randn(4, 5), torch.randn(4, 5)
-    expected = -sum(log_softmax_by_hand(s.tolist())[int(t.argmax())] for s, t in zip(student, teacher)) / 4
+    expected = -sum(log_softmax_by_hand(s.tolist())[int(t.argmax())] for s, t in zip(student, teacher, strict=True)) / 4
     assert distillation_loss(student, teacher, "hard", 1.0).item() == pytest.approx(expected, rel=1e-5)
 
 
@@ -35,10 +35,10 @@ def test_hard_term_is_cross_entropy_on_the_teachers_top_class():
 def test_soft_term_is_deits_kl(temperature):
     student, teacher = torch.randn(3, 4), torch.randn(3, 4)
     kl = 0.0
-    for s, t in zip(student.tolist(), teacher.tolist()):
+    for s, t in zip(student.tolist(), teacher.tolist(), strict=True):
         ls = log_softmax_by_hand([v / temperature for v in s])
         lt = log_softmax_by_hand([v / temperature for v in t])
-        kl += sum(math.exp(b) * (b - a) for a, b in zip(ls, lt))
+        kl += sum(math.exp(b) * (b - a) for a, b in zip(ls, lt, strict=True))
     expected = kl * temperature**2 / student.numel()
     assert distillation_loss(student, teacher, "soft", temperature).item() == pytest.approx(expected, rel=1e-5)
 

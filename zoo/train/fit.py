@@ -39,7 +39,6 @@ from .checks import parse_max_time
 from .compiled import compile_cache_dir, inductor_cache_counts, use_compile_cache
 from .data import ImageDataModule
 from .data.cache import user_cache_dir
-from .distill import load_teacher
 from .device import (
     compile_for,
     host_sync_every,
@@ -48,6 +47,7 @@ from .device import (
     resolve_muon_dtype,
     resolve_precision,
 )
+from .distill import load_teacher
 from .distributed import (
     external_environment,
     is_global_zero,

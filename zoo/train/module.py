@@ -18,8 +18,8 @@ from torchmetrics.classification import MulticlassAccuracy
 from ..layers.whitening import PatchWhitening
 from ..models import compile_regions, create_model
 from .compiled import CompiledStep, StepSchedule
-from .distill import distillation_loss
 from .device import accelerator_of, forked_generators, host_sync_every, resolve_muon_dtype
+from .distill import distillation_loss
 from .optim import WarmupCosine, WarmupDecay, build_optimizer, param_groups
 from .tta import tta_logits
 

@@ -149,8 +149,8 @@ class Recipe(_Checked):
     init_from: str | None = setting(None, "start a new run from a zoo checkpoint or a timm ViT state_dict",
                                     OPTIONAL_PATH)
     init_partial: bool = setting(False, "let init_from load under half of the model's parameter elements", FLAG)
-    teacher: str | None = setting(None, "distil from a frozen teacher as DeiT does: pretrained:NAME, a run directory or "
-                                  "a checkpoint (null: none)", OPTIONAL_PATH)
+    teacher: str | None = setting(None, "distil from a frozen teacher as DeiT does: pretrained:NAME, a run directory "
+                                  "or a checkpoint (null: none)", OPTIONAL_PATH)
     distill: str = setting("hard", "with a teacher: hard (its top class, DeiT) or soft (KL at distill_temperature)",
                            c.choice(DISTILL_KINDS))
     distill_weight: float = setting(0.5, "with a teacher: its term's share of the loss, in [0, 1]",
