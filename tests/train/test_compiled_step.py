@@ -284,3 +284,62 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(cifar_dir, tmp_
     assert first["compile_cache_misses"] > 0
     assert second["compile_cache_hits"] >= first["compile_cache_misses"] and second["compile_cache_misses"] == 0
     assert all(s["compile_s"] > 0 for s in summaries)
+
+
+def _compiled_adamw(lr: float = 1e-3):
+    """A CompiledStep over AdamW (as ``compile: step`` builds it) on a small linear layer, with its StepSchedule."""
+    from zoo.train.compiled import StepSchedule
+    from zoo.train.optim import WarmupDecay, build_optimizer, param_groups
+
+    layer = torch.nn.Linear(4, 3)
+    inner = build_optimizer("adamw", param_groups(layer, lr, 0.05), lr, compiled=True)
+    for group in inner.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]))
+    step = CompiledStep(inner)
+    return layer, step, StepSchedule(step, WarmupDecay(2, 10, 0.1, "cosine"))
+
+
+def test_the_rates_written_from_the_host_follow_the_schedule_and_its_refit():
+    """At the start of a fit and when the time budget refits the schedule, the rates of the next step are written
+    into the groups' tensors (the same tensors the graph reads): base rate x the warm-up + cosine value."""
+    _, step, scheduler = _compiled_adamw()
+    rates = [group["lr"] for group in step.param_groups]
+    step.sync_schedule(scheduler, 5)
+    value = 0.1 + 0.9 * (1 + math.cos(math.pi * 3 / 8)) / 2  # step 5: 3 of the 8 decay steps done
+    assert [float(r) for r in rates] == pytest.approx([1e-3 * value] * len(rates), rel=1e-6)
+    assert float(step.count) == 5 and [g["lr"] for g in step.param_groups] == rates  # written in place
+    scheduler.lr_lambdas[0].total_steps, scheduler.lr_lambdas[0].warmup_steps = 20, 4  # a refit
+    step.sync_schedule(scheduler, 5)
+    value = 0.1 + 0.9 * (1 + math.cos(math.pi * 1 / 16)) / 2
+    assert float(rates[0]) == pytest.approx(1e-3 * value, rel=1e-6) and float(step.total) == 20
+    before = scheduler.last_epoch
+    scheduler.step()  # Lightning's scheduler step only counts: the graph writes the rates
+    assert scheduler.last_epoch == before + 1 and float(rates[0]) == pytest.approx(1e-3 * value, rel=1e-6)
+
+
+def test_a_compiled_steps_checkpoint_holds_plain_rates_and_loads_into_the_same_tensors():
+    """state_dict: rates as numbers and capturable off, as an eager AdamW's (which loads it); load_state_dict puts
+    the loaded rates into the tensors the compiled graph reads."""
+    layer, step, scheduler = _compiled_adamw()
+    for p in layer.parameters():  # some state to carry
+        step.state[p].update(step=torch.tensor(3.0), exp_avg=torch.full_like(p, 0.5), exp_avg_sq=torch.ones_like(p))
+    step.sync_schedule(scheduler, 3)
+    saved = step.state_dict()
+    assert all(isinstance(g["lr"], float) and g["capturable"] is False for g in saved["param_groups"])
+    eager = torch.optim.AdamW(param_groups_of(layer), lr=1e-3)
+    eager.load_state_dict(saved)  # an eager run resumes it
+    _, other, _ = _compiled_adamw(lr=5e-2)
+    other_layer_params = [p for g in other.param_groups for p in g["params"]]
+    rates = [group["lr"] for group in other.param_groups]
+    other.load_state_dict(saved)
+    assert [g["lr"] for g in other.param_groups] == rates  # the same tensor objects
+    assert [float(r) for r in rates] == pytest.approx([g["lr"] for g in saved["param_groups"]])
+    assert all(g["capturable"] for g in other.param_groups)
+    assert float(other.state[other_layer_params[0]]["step"]) == 3.0
+    assert other.inner.param_groups is other.param_groups and other.inner.state is other.state
+
+
+def param_groups_of(layer):
+    from zoo.train.optim import param_groups
+
+    return param_groups(layer, 1e-3, 0.05)
