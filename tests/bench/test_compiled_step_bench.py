@@ -34,9 +34,10 @@ def test_the_record_kind_is_known():
     assert results.validate(record)["kind"] == "compiled_step"
 
 
-@pytest.mark.slow  # two processes compile vit_tiny's step (minutes on a small CPU)
-def test_the_command_counts_fewer_ops_compiled_and_hits_the_cache_in_the_second_process():
-    row = bench.bench_model("vit_tiny", 8)
+@pytest.mark.slow  # two processes compile the model's step (minutes on a small CPU)
+@pytest.mark.parametrize("name", ["vit_tiny", "hybrid_tiny"])
+def test_the_command_counts_fewer_ops_compiled_and_hits_the_cache_in_the_second_process(name):
+    row = bench.bench_model(name, 8)
     assert row["compiled_aten_ops"] * 5 <= row["eager_aten_ops"], row
     assert row["cache_misses_first_process"] > 0 and row["cache_misses_second_process"] == 0
     assert row["cache_hits_second_process"] > 0
