@@ -1,4 +1,4 @@
-"""Evaluate, explain, benchmark and compare trained runs (argument parsing only; the work is in zoo.explain.report).
+"""Evaluate, explain, benchmark and compare trained runs (argument parsing only; the work is in zoo.explain).
 
     python eval.py --checkpoint runs/vit_tiny/<run-id> --out eval/vit_tiny [--attention --num-images 8]
                    [--deletion] [--benchmark] [--data-dir DIR] [--max-test-images N] [--batch-size B]
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
     launched = one_device_under_launcher(args)
     if launched is not None:
         return launched
-    from zoo.explain.report import check_out_dir, check_out_is_folder, compare_runs, evaluate_run
+    from zoo.explain.compare import compare_runs
+    from zoo.explain.report import check_out_dir, check_out_is_folder, evaluate_run
 
     try:
         check_out_is_folder(args.out)  # before any model is loaded or image read
