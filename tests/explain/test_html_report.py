@@ -87,7 +87,7 @@ def test_a_constant_map_is_said_in_words():
                                  cbam=[torch.rand(8, 8), torch.ones(4, 4)])
     # a CBAM gate multiplies its stage's features: all 1 passes them unchanged, said as a saturated gate
     assert [t.get_text() for ax in fig.axes for t in ax.texts] == [
-        "constant map:\nthis stage's spatial gate is saturated\n(every value 1: it passes every feature unchanged)"]
+        "constant map:\nthis stage's spatial gate\nis saturated (every value 1:\nit passes every feature\nunchanged)"]
     assert len(fig.axes[3].images) == 0  # no flat colour panel
 
 

@@ -170,10 +170,10 @@ def constant_gate_note(gate: torch.Tensor) -> str:
     (``zoo.layers.cbam.SpatialAttention``), so all 1 passes them unchanged, all 0 blanks them."""
     value = gate.flatten()[0].item()
     if value >= 0.999:
-        return "this stage's spatial gate is saturated\n(every value 1: it passes every feature unchanged)"
+        return "this stage's spatial gate\nis saturated (every value 1:\nit passes every feature\nunchanged)"
     if value <= 0.001:
-        return "this stage's spatial gate is closed\n(every value 0: it blanks every feature)"
-    return f"this stage's spatial gate scales every\nposition alike (by {value:.3g}): no spatial selection"
+        return "this stage's spatial gate\nis closed (every value 0:\nit blanks every feature)"
+    return f"this stage's spatial gate\nscales every position alike\n(by {value:.3g}): no spatial\nselection"
 
 
 def gate_caption(gate: torch.Tensor) -> str:
