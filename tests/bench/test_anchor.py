@@ -35,7 +35,8 @@ FAKE_ANCHOR = textwrap.dedent("""
 """)
 FAKE_PREP = textwrap.dedent("""
     import argparse, os
-    p = argparse.ArgumentParser(); p.add_argument("--out"); args = p.parse_args()
+    p = argparse.ArgumentParser(); p.add_argument("--out"); p.add_argument("--limit", type=int)
+    args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for split in ("train", "test"):
         open(os.path.join(args.out, split + ".pt"), "w").write(os.environ["CIFAR_DIR"])

@@ -20,7 +20,8 @@ def test_the_flop_count_is_what_torch_counts_in_its_own_iteration(shapes):
 
 
 def test_the_floor_is_the_iteration_at_the_given_rate(monkeypatch):
-    monkeypatch.setattr(bench, "interleaved_medians", lambda candidates, repeats: dict.fromkeys(candidates, 0.004))
+    monkeypatch.setattr(bench, "interleaved_medians",
+                        lambda candidates, device=None, repeats=5: dict.fromkeys(candidates, 0.004))
     row = bench.bench_muon("vit_nano", repeats=1, peak_bf16_flops=1e12)
     flops = bench.newton_schulz_flops([p.shape for p in bench.muon_matrices("vit_nano")])
     assert row["newton_schulz_gflop"] == flops / 1e9

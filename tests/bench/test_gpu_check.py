@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.bench.gpu_check import CUDA_TEST_FILES, epoch_times, time_to
+from zoo.bench.anchor import side_by_side
+from zoo.bench.gpu_check import ANCHOR_DIR, CUDA_TEST_FILES, epoch_times, time_to
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,13 +32,19 @@ def test_time_to_accuracy_reads_the_first_validation_past_each_target(tmp_path):
 
 def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
     out = tmp_path / "check"
+    skip = ["suite"] + ([] if (ANCHOR_DIR / "airbench94_cpu.py").is_file() else ["anchor"])
     done = subprocess.run([sys.executable, "-m", "zoo.bench.gpu_check", "--dry-run", "--data-dir", str(cifar_dir),
-                           "--out", str(out), "--skip", "suite"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                           "--out", str(out), "--skip", *skip], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
     report = json.loads((out / "gpu_check.json").read_text())
     failed = {k: v.get("error") for k, v in report.items() if isinstance(v, dict) and not v["ok"]}
     assert done.returncode == 0 and not failed, (failed, done.stderr[-2000:])
-    assert report["dry_run"] is True and report["skipped"] == ["suite"] and "suite" not in report
+    assert report["dry_run"] is True and report["skipped"] == skip and "suite" not in report
+    assert report["muon"]["vit_nano_torch_loop_bf16_ms"] > 0 and report["muon"]["vit_nano_matrices"] > 0
+    if "anchor" not in skip:  # the real anchor script, a fifth of an epoch on 100 images, beside the speedrun
+        assert 0 <= report["anchor"]["anchor_test_top1_tta"] <= 1 and report["anchor"]["anchor_epochs"] == 0.2
+        assert report["anchor"]["zoo_test_top1_tta"] == report["speedrun"]["test_top1"]
+        assert "| test top-1, TTA |" in (out / "gpu_check.md").read_text()
     assert report["cuda_tests"]["skipped" if not torch.cuda.is_available() else "passed"] >= 20
     steps = ("vit_tiny", "vit_tiny_step", "speedrun") if torch.cuda.is_available() else ("vit_tiny", "speedrun")
     assert torch.cuda.is_available() or "not_run" in report["vit_tiny_step"]  # its compile takes a minute on a CPU
@@ -127,3 +134,17 @@ def test_host_launches_count_a_graph_replay_once_not_its_kernels():
               SimpleNamespace(key="aten::mm", device_type=cpu, is_user_annotation=False, count=40)]
     assert sum(e.count for e in host_launches(events)) == 4
     assert sum(e.count for e in device_kernels(events)) == 40
+
+
+def test_side_by_side_puts_the_anchor_beside_the_speedrun():
+    result = {"anchor_wall_s": 5.1, "anchor_epochs": 9.9, "anchor_train_img_s": 150000.0,
+              "anchor_test_top1_tta": 0.9123, "anchor_timed_s": 3.9, "zoo_wall_s": 40.0, "zoo_epochs": 12,
+              "zoo_train_img_s": 90000.0, "zoo_test_top1_tta": 0.905, "zoo_seconds_to_anchor_top1": None}
+    lines = side_by_side(result)
+    assert lines[2] == "| wall seconds (with compilation / cuDNN tuning) | 5.1 | 40 |"
+    assert "| test top-1, TTA | 0.9123 | 0.905 |" in lines
+    assert lines[-2] == ("\nThe zoo's validation top-1 never reached airbench94's test top-1 (0.9123); airbench94 "
+                         "timed 3.9 s (training and its TTA evaluation).")
+    reached = side_by_side({**result, "zoo_seconds_to_anchor_top1": 31.25})[-2]
+    assert "first reached airbench94's test top-1 (0.9123) after 31.2 s of its fit" in reached
+    assert side_by_side({k: v for k, v in result.items() if not k.startswith("zoo_")}) == []

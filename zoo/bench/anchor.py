@@ -80,19 +80,22 @@ def result_line(stdout: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def run_anchor(script: Path, data: Path, *args: str) -> dict:
-    """One run of the anchor's script with ``args``; its RESULT."""
+def run_anchor(script: Path, data: Path, *args: str, timeout: float | None = None) -> dict:
+    """One run of the anchor's script with ``args``; its (last) RESULT."""
     done = subprocess.run([sys.executable, str(script), "--data", str(data), "--jsonl", os.devnull, *args],
-                          check=True, stdout=subprocess.PIPE, text=True, env={**os.environ, **MALLOC_ENV})
+                          check=True, stdout=subprocess.PIPE, text=True, env={**os.environ, **MALLOC_ENV},
+                          timeout=timeout)
     return result_line(done.stdout)
 
 
-def prepare_anchor_data(anchor: Path, data_dir: str, out: Path) -> Path:
-    """The anchor's decoded copy of ``data_dir`` (a JPEG tree ``train/<class>/``, ``test/<class>/``), made once."""
-    folder = out / "anchor_data"
+def prepare_anchor_data(anchor: Path, data_dir: str, out: Path, limit: int = 0) -> Path:
+    """The anchor's decoded copy of ``data_dir`` (a JPEG tree ``train/<class>/``, ``test/<class>/``; ``limit``
+    images a class, 0 for all), made once."""
+    folder = out / (f"anchor_data_{limit}" if limit else "anchor_data")
     if not all((folder / f"{split}.pt").is_file() for split in ("train", "test")):
-        subprocess.run([sys.executable, str(anchor / "prep_data.py"), "--out", str(folder)], check=True,
-                       stdout=subprocess.DEVNULL, env={**os.environ, "CIFAR_DIR": str(Path(data_dir).resolve())})
+        subprocess.run([sys.executable, str(anchor / "prep_data.py"), "--out", str(folder), "--limit", str(limit)],
+                       check=True, stdout=subprocess.DEVNULL,
+                       env={**os.environ, "CIFAR_DIR": str(Path(data_dir).resolve())})
     return folder
 
 
@@ -156,6 +159,26 @@ def pairing_table(rows: list[dict]) -> str:
     if paired:
         lines.append(f"\nzoo - anchor, paired by seed: {mean_se(paired).replace(' (n=', ' (pairs=')}")
     return "\n".join(lines) + "\n"
+
+
+SIDE_BY_SIDE = (("wall seconds (with compilation / cuDNN tuning)", "wall_s"), ("epochs", "epochs"),
+                ("training images/s", "train_img_s"), ("test top-1, TTA", "test_top1_tta"))
+
+
+def side_by_side(result: dict) -> list[str]:
+    """``zoo.bench.gpu_check``'s anchor step as one table, airbench94 beside the zoo's speedrun."""
+    if "zoo_wall_s" not in result:
+        return []
+    lines = ["| | airbench94 | zoo hybrid_tiny (gpu_speedrun) |", "|---|---|---|"]
+    for label, key in SIDE_BY_SIDE:
+        lines.append(f"| {label} | {result['anchor_' + key]:.4g} | {result['zoo_' + key]:.4g} |"
+                     if result.get("zoo_" + key) is not None else f"| {label} | {result['anchor_' + key]:.4g} | — |")
+    reached = result["zoo_seconds_to_anchor_top1"]
+    target = f"airbench94's test top-1 ({result['anchor_test_top1_tta']:.4f})"
+    when = f"never reached {target}" if reached is None else f"first reached {target} after {reached:.1f} s of its fit"
+    lines.append(f"\nThe zoo's validation top-1 {when}; airbench94 timed {result['anchor_timed_s']:.1f} s "
+                 "(training and its TTA evaluation).")
+    return lines + [""]
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,11 @@ one report (``gpu_check.json`` + ``gpu_check.md``):
 4. ``speedrun``: ``hybrid_tiny`` with ``configs/gpu_speedrun.yaml`` (airbench-sized batch, bf16, compiled, batched
    Muon, TTA): wall seconds to 90% and 94% validation top-1 (94% needs the original CIFAR-10 images; a JPEG copy
    tops out near 91% even for airbench94), and the test top-1;
-5. ``suite``: the benchmark suite (``zoo.bench.suite.run_suite``: kernels vs timm and the floor, memory, MFU).
+5. ``anchor``: airbench94 (``airbench94_cpu.py --device cuda --runs 2``, upstream's fp16; its second, warm run)
+   on the same GPU and the same JPEG data, beside the speedrun: wall seconds, epochs, images/s and test top-1 with
+   TTA of both, and the zoo's wall seconds until its validation top-1 first reached the anchor's test top-1;
+6. ``muon``: the batched Muon step against torch's per-matrix loop on the GPU (``zoo.bench.muon``);
+7. ``suite``: the benchmark suite (``zoo.bench.suite.run_suite``: kernels vs timm and the floor, memory, MFU).
 
 ``--dry-run`` runs every step with tiny sizes and no timings on whatever device there is (the default test suite
 runs it on the CPU), so the check cannot rot where no GPU is at hand. A step that fails is reported with its error
@@ -37,8 +41,10 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_write_json, atomic_write_text
+from .anchor import prepare_anchor_data, run_anchor, side_by_side
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: train.py, tests/ and configs/ live here
+ANCHOR_DIR = REPO.parent / "shared" / "anchors" / "airbench94_cpu"  # where the anchor lies beside a checkout
 TARGETS = (0.90, 0.94)  # validation top-1 whose wall time the speedrun reports
 
 
@@ -215,6 +221,48 @@ def speedrun(out: Path, data_dir: str | None, dry_run: bool, timeout: float = 12
             **epoch_times(run / "metrics.csv")}
 
 
+def anchor(out: Path, anchor_dir: Path, data_dir: str | None, dry_run: bool, speedrun_report: dict | None,
+           timeout: float = 600) -> dict:
+    """airbench94 on this device as upstream runs it (on CUDA: fp16, two runs, the second read; a dry run: 10 images a
+    class, a fifth of an epoch), and beside it the speedrun's figures (``speedrun_report``, when it ran)."""
+
+    script = anchor_dir / "airbench94_cpu.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"no airbench94_cpu.py in {anchor_dir} (give --anchor DIR)")
+    if not data_dir:
+        raise ValueError("the anchor reads the JPEG tree: give --data-dir")
+    data = prepare_anchor_data(anchor_dir, data_dir, out, limit=10 if dry_run else 0)
+    args = ["--device", "cuda", "--runs", "2"] if torch.cuda.is_available() else []
+    found = run_anchor(script, data, *args, *(["--epochs", "0.2", "--batch_size", "64"] if dry_run else []),
+                       timeout=timeout)
+    result = {"anchor_epochs": found["epochs"], "anchor_wall_s": found["wall_seconds"],
+              "anchor_timed_s": found["airbench_timed_seconds"], "anchor_train_img_s": found["train_img_per_s"],
+              "anchor_test_top1_tta": found["tta_val_acc"], "anchor_test_top1_plain": found["val_acc"]}
+    if speedrun_report and speedrun_report.get("ok"):
+        run = Path(speedrun_report["run"])
+        reached = time_to(run / "metrics.csv", (found["tta_val_acc"],))
+        result.update(zoo_wall_s=speedrun_report["wall_time_s"], zoo_first_epoch_s=speedrun_report["first_epoch_s"],
+                      zoo_later_epoch_s=speedrun_report["later_epoch_s"], zoo_epochs=speedrun_report["epochs"],
+                      zoo_train_img_s=speedrun_report["train_img_s_after_first_epoch"],
+                      zoo_test_top1_tta=speedrun_report["test_top1"],
+                      zoo_seconds_to_anchor_top1=next(iter(reached.values())))
+    return result
+
+
+def muon(dry_run: bool) -> dict:
+    """Batched Muon against torch's loop on this device, per model (``zoo.bench.muon.bench_muon``)."""
+    from .muon import bench_muon
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models, repeats = (("vit_nano",), 1) if dry_run else (("vit_tiny", "hybrid_tiny"), 9)
+    peak = 1e12 if dry_run else None  # a dry run times no GEMM (bf16 is emulated, minutes, on many CPUs)
+    found = {}
+    for name in models:
+        row = bench_muon(name, repeats, peak, device=device)
+        found.update({f"{name}_{key}": value for key, value in row.items() if key != "model"})
+    return found
+
+
 def epoch_times(metrics_csv: Path) -> dict:
     """Wall seconds to the first validation (compilation and warm-up included) and the mean seconds of each
     later epoch (training and validation), from ``time/elapsed_s``."""
@@ -245,14 +293,16 @@ def markdown(report: dict) -> str:
         lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
                   for k, v in result.items() if k != "traceback" and not isinstance(v, (dict, list))]
         lines.append("")
+        if step == "anchor" and result.get("ok"):
+            lines += side_by_side(result)
     return "\n".join(lines)
 
 
-STEPS = ("environment", "cuda_tests", "vit_tiny", "vit_tiny_step", "speedrun", "suite")  # the targets first
+STEPS = ("environment", "cuda_tests", "vit_tiny", "vit_tiny_step", "speedrun", "anchor", "muon", "suite")
 
 
 def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = False, skip=(),
-              time_limit: float | None = None) -> dict:
+              time_limit: float | None = None, anchor_dir: str | Path = ANCHOR_DIR) -> dict:
     """Every step but those in ``skip``, in ``STEPS``' order; OUT/gpu_check.json and OUT/gpu_check.md are written
     after each step, so a check stopped from outside keeps what it measured. ``time_limit`` (seconds): a step's
     subprocess is stopped when it runs out, and steps not begun by then are reported as not run."""
@@ -270,6 +320,8 @@ def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = Fals
              "vit_tiny": lambda: vit_tiny(out, data_dir, dry_run, left()),
              "vit_tiny_step": lambda: vit_tiny(out, data_dir, dry_run, left(), compile_step=True),
              "speedrun": lambda: speedrun(out, data_dir, dry_run, left()),
+             "anchor": lambda: anchor(out, Path(anchor_dir), data_dir, dry_run, report.get("speedrun"), left()),
+             "muon": lambda: muon(dry_run),
              "suite": lambda: {"results": str(out / "suite" / "bench.json"),
                                **_suite_summary(run_suite(out / "suite", data_dir, quick=dry_run))}}
     report: dict = {"dry_run": dry_run, "skipped": list(skip)}
@@ -316,11 +368,14 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="stop a step's subprocess when the check has run this long; later steps are not run")
     p.add_argument("--results", metavar="DIR", help="also record the measurements in DIR (results/) for the report")
+    p.add_argument("--anchor", default=str(ANCHOR_DIR), metavar="DIR",
+                   help="the folder holding airbench94_cpu.py and prep_data.py (default: shared/anchors/airbench94_cpu "
+                        "beside the checkout)")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU is visible; use --dry-run to check the steps on this machine", file=sys.stderr)
         return 2
-    report = run_check(args.out, args.data_dir, args.dry_run, args.skip, args.time_limit)
+    report = run_check(args.out, args.data_dir, args.dry_run, args.skip, args.time_limit, args.anchor)
     print(Path(args.out) / "gpu_check.md")
     if args.results and not args.dry_run:  # a dry run's sizes are not numbers to report
         from . import results

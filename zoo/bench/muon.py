@@ -39,38 +39,42 @@ def newton_schulz_flops(shapes, steps: int = NS_STEPS) -> int:
     return total
 
 
-def muon_matrices(name: str, filters: bool = False) -> list[torch.Tensor]:
+def muon_matrices(name: str, filters: bool = False, device: str | torch.device = "cpu") -> list[torch.Tensor]:
     """The tensors a run's Muon updates (the decayed 2-D weights but the head's; with ``filters`` the conv filters
-    too), as new leaf copies with random gradients."""
+    too), as new leaf copies on ``device`` with random gradients (the same ones on every device)."""
     model = create_model(name)
     head = {id(p) for p in model.get_classifier().parameters()}
     groups = muon_split(param_groups(model, 2e-3, 0.05), head, filters=filters)[0]
     g = torch.Generator().manual_seed(0)
     copies = []
     for p in (p for group in groups for p in group["params"]):
-        copy = torch.nn.Parameter(p.detach().clone())
-        copy.grad = torch.randn(p.shape, generator=g)
+        copy = torch.nn.Parameter(p.detach().clone().to(device))
+        copy.grad = torch.randn(p.shape, generator=g).to(device)
         copies.append(copy)
     return copies
 
 
-def bench_muon(name: str, repeats: int = 5, peak_bf16_flops: float | None = None) -> dict:
-    """Median milliseconds of one step over ``name``'s 2-D Muon matrices: torch's per-matrix loop (bf16) and the
-    batched step in bf16 and fp32; the ratios against the loop; the floor (the iteration's FLOPs at
-    ``peak_bf16_flops``, measured here when None) and the loop's time over it."""
+def bench_muon(name: str, repeats: int = 5, peak_bf16_flops: float | None = None,
+               device: str | torch.device = "cpu") -> dict:
+    """Median milliseconds of one step over ``name``'s 2-D Muon matrices on ``device``: torch's per-matrix loop
+    (bf16) and the batched step in bf16 and fp32; the ratios against the loop; the floor (the iteration's FLOPs at
+    ``peak_bf16_flops``, measured on ``device`` when None) and the loop's time over it."""
+    device = torch.device(device)
+
     def torch_loop():
-        params = muon_matrices(name)
+        params = muon_matrices(name, device=device)
         return torch.optim.Muon(params, lr=2e-3, weight_decay=0.05, momentum=0.95, nesterov=True,
                                 adjust_lr_fn="match_rms_adamw").step
 
     def batched(dtype: torch.dtype):
-        return FilterMuon([{"params": muon_matrices(name), "weight_decay": 0.05}], lr=2e-3, ns_dtype=dtype).step
+        return FilterMuon([{"params": muon_matrices(name, device=device), "weight_decay": 0.05}], lr=2e-3,
+                          ns_dtype=dtype).step
 
     matrices = muon_matrices(name)
     flops = newton_schulz_flops([p.shape for p in matrices])
-    floor = flops / (peak_bf16_flops or gemm_peak_flops(device="cpu", dtype=torch.bfloat16))
+    floor = flops / (peak_bf16_flops or gemm_peak_flops(device=device, dtype=torch.bfloat16))
     seconds = interleaved_medians({"torch_loop_bf16": torch_loop(), "batched_bf16": batched(torch.bfloat16),
-                                   "batched_fp32": batched(torch.float32)}, repeats=repeats)
+                                   "batched_fp32": batched(torch.float32)}, device, repeats=repeats)
     return {"model": name, "matrices": len(matrices), "shapes": len({tuple(p.shape) for p in matrices}),
             **{f"{k}_ms": 1000 * v for k, v in seconds.items()},
             "batched_bf16_speedup": seconds["torch_loop_bf16"] / seconds["batched_bf16"],
