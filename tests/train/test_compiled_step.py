@@ -268,7 +268,8 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(cifar_dir, tmp_
         done = subprocess.run([*cmd, "--out", str(tmp_path / run)], cwd=repo, env=env, capture_output=True,
                               text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert "compiling the training step" in done.stdout
+        assert done.stdout.count("compiling the training step") == 1
+        assert "compile the model (torch.compile)" not in done.stdout  # one line says it, not two
         (run_dir,) = (tmp_path / run / "vit_nano").iterdir()
         summaries.append(json.loads((run_dir / "summary.json").read_text()))
     first, second = summaries

@@ -118,7 +118,7 @@ class RunForecast(pl.Callback):
         if self.probe_step_s is not None and self.step_time is None:
             self.step_time = self.probe_step_s
             self._announce(trainer, pl_module)
-        if self.recipe.compile:
+        if self.recipe.compile and self.recipe.compile != "step":  # compile: step says so itself (its cache too)
             self._say(trainer, f"compile: {self.recipe.compile}: the first training steps and the first validation "
                                "compile the model (torch.compile), which takes longer than a step")
 
