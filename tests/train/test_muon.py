@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import zoo
 from zoo.bench.dispatch import OpRecorder
+from zoo.train.device import cpu_has_native_bf16
 from zoo.train.optim import FilterMuon, MuonAdamW, build_optimizer, muon_split, param_groups
 
 
@@ -116,20 +117,30 @@ def test_filter_muon_channels_last_matches_contiguous():
 
 
 def test_steps_equal_torch_muon_and_adamw_run_separately():
+    """Bit for bit over three steps where the CPU computes bf16 natively. Where it emulates bf16 (AVX2 only), a
+    batched bf16 matmul and a per-matrix one (and a matrix and its transpose) round differently: there one step is
+    compared, AdamW's tensors bit for bit and each Muon update within 2% of its norm (bf16 keeps 8 bits; five
+    Newton-Schulz iterations amplify the rounding, 1.6% measured on a Zen 1)."""
     model = _model()
     reference = copy.deepcopy(model)
+    start = [p.detach().clone() for p in reference.parameters()]
     optimizer = _optimizer(model)
     head = {id(p) for p in reference.get_classifier().parameters()}
     muon_groups, adamw_groups = muon_split(param_groups(reference, 2e-3, 0.05), head)
     muon = torch.optim.Muon(muon_groups, lr=2e-3, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW(adamw_groups, lr=2e-3)
-    for seed in range(3):
+    exact = cpu_has_native_bf16()  # the hardware's own bf16 path, not the ZOO_NATIVE_BF16 override
+    for seed in range(3 if exact else 1):
         _step(model, optimizer, seed)
         muon.zero_grad(), adamw.zero_grad()
         _loss(reference, seed).backward()
         muon.step(), adamw.step()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    on_muon = {id(p) for group in muon_groups for p in group["params"]}
+    for (name, p), q, s in zip(model.named_parameters(), reference.parameters(), start, strict=True):
+        if exact or id(q) not in on_muon:
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+        else:
+            assert ((p - q).norm() / (q - s).norm()).item() <= 0.02, name
 
 
 def test_first_muon_step_is_the_orthogonalised_gradient():
