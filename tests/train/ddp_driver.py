@@ -61,8 +61,8 @@ def train(argv: list[str]) -> int:
     build_callbacks, write_json, write = fit.build_callbacks, fit.atomic_write_json, runs.atomic_write
     write_text = runs.atomic_write_text  # config.yaml
 
-    def with_recorder(plan, spent_s=0.0):
-        callbacks = build_callbacks(plan, spent_s)
+    def with_recorder(plan, *args, **kwargs):  # build_callbacks' own arguments, whatever they are
+        callbacks = build_callbacks(plan, *args, **kwargs)
         callbacks.all.insert(0, Recorder())
         if os.environ.get("ZOO_TEST_MEASURE"):
             skip, steps = map(int, os.environ["ZOO_TEST_MEASURE"].split(","))
