@@ -212,9 +212,11 @@ def first_line_within(code: str, seconds: float) -> str | None:
 
 
 def test_output_into_a_pipe_goes_out_line_by_line():
-    waits = "print('first'); import time; time.sleep(60)"
+    # the process sleeps far longer than the wait, so "first" can only arrive by line buffering; the wait covers
+    # importing torch and timm on a slow or busy CPU (14 s on a quiet Zen 1, over 30 s under load)
+    waits = "print('first'); import time; time.sleep(600)"
     assert first_line_within(f"from zoo.train.console import line_buffered_output; line_buffered_output(); {waits}",
-                             30) == "first"
+                             180) == "first"
     assert first_line_within(waits, 2) is None  # Python's own block buffer: what the CLIs change
 
 
