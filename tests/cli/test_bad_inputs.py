@@ -251,8 +251,9 @@ def test_at_least_forty_kinds_of_bad_cli_input():
 # the data are read, one of eval.py's; every case here has an in-process twin above, which covers the messages.
 SHELL_CASES = [
     ("train epochs abc", "train.py", ["--model", "vit_nano", "--epochs", "abc"], r"invalid int value: 'abc'"),
-    ("train resume other classes", "train.py", ["--model", "vit_nano", "--resume", "{run}", *TWO, "--cache-dir",
-                                                "{cache}"], r"the run has 10 classes, the data has 2"),
+    ("train resume other classes", "train.py", ["--config", "{run}/config.yaml", "--resume", "{run}", "--data-dir",
+                                                "{two}", "--cache-dir", "{cache}"],
+     r"the run has 10 classes, the data has 2"),  # the run's own recipe on other data, as its in-process twin
     ("eval other classes into the run", "eval.py", ["--checkpoint", "{run}", "--data-dir", "{two}", "--out", "{run}"],
      r"the run was trained on"),
 ]
