@@ -179,6 +179,26 @@ def test_a_signal_during_the_final_test_exits_128_plus_it_and_resume_tests(
     assert (run / "metrics.csv").read_bytes() == metrics
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=["sigterm", "sigusr1",
+                                                                                        "ctrl-c"])
+def test_a_signal_while_the_data_are_decoded_or_probed_exits_128_plus_it_in_one_line(argv, tmp_path, monkeypatch,
+                                                                                      capsys, signum):
+    """Before training (decoding, the precision and optimizer probes) SIGTERM and SIGUSR1 ended the process by
+    their default action, without a line: 128 + the signal and one line saying nothing was written, no run folder."""
+    def signalled_plan(recipe):
+        os.kill(os.getpid(), signum)
+        time.sleep(30)  # the handler raises before this returns
+        raise AssertionError("the signal was not handled")
+
+    monkeypatch.setattr(fit_module, "plan_run", signalled_plan)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    assert cli.main(argv) == 128 + signum
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "before training" in err[0] and "nothing to resume" in err[0], err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.ckpt"))
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers were put back
+
+
 def test_ctrl_c_twice_before_the_first_checkpoint_exits_130_without_naming_resume(argv, tmp_path, monkeypatch,
                                                                                  capsys):
     """A second Ctrl-C stops at once: exit 130 (Lightning's KeyboardInterrupt handling made it 1), one line that
