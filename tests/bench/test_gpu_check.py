@@ -1,7 +1,8 @@
 """The prepared GPU check in its dry form, on whatever device there is: every step runs (the CUDA tests are
 collected and run, skipping without a GPU; the vit_tiny runs, the one with ``--compile step`` only on a GPU; the
 speedrun recipe's run) but the benchmark suite, whose quick form tests/bench/test_bench_suite.py runs already; the
-report is written in both forms, and the time-to-accuracy reading agrees with a metrics.csv written by hand."""
+report is written in both forms, and the time-to-accuracy reading agrees with a metrics.csv written by hand. The
+default suite runs the training steps only; every step runs under ``-m slow``."""
 
 from __future__ import annotations
 
@@ -30,9 +31,13 @@ def test_time_to_accuracy_reads_the_first_validation_past_each_target(tmp_path):
     assert epoch_times(metrics) == {"first_epoch_s": 5.5, "later_epoch_s": 5.5}
 
 
-def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
+@pytest.mark.parametrize("left_out", [
+    pytest.param(("suite", "cuda_tests", "anchor", "muon"), id="training-steps"),  # the default suite's small form
+    pytest.param(("suite",), id="every-step", marks=pytest.mark.slow),
+])
+def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path, left_out):
     out = tmp_path / "check"
-    skip = ["suite"] + ([] if (ANCHOR_DIR / "airbench94_cpu.py").is_file() else ["anchor"])
+    skip = [*left_out] + ([] if "anchor" in left_out or (ANCHOR_DIR / "airbench94_cpu.py").is_file() else ["anchor"])
     done = subprocess.run([sys.executable, "-m", "zoo.bench.gpu_check", "--dry-run", "--data-dir", str(cifar_dir),
                            "--out", str(out), "--skip", *skip], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
@@ -40,12 +45,14 @@ def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
     failed = {k: v.get("error") for k, v in report.items() if isinstance(v, dict) and not v["ok"]}
     assert done.returncode == 0 and not failed, (failed, done.stderr[-2000:])
     assert report["dry_run"] is True and report["skipped"] == skip and "suite" not in report
-    assert report["muon"]["vit_nano_torch_loop_bf16_ms"] > 0 and report["muon"]["vit_nano_matrices"] > 0
+    if "muon" not in skip:
+        assert report["muon"]["vit_nano_torch_loop_bf16_ms"] > 0 and report["muon"]["vit_nano_matrices"] > 0
     if "anchor" not in skip:  # the real anchor script, a fifth of an epoch on 100 images, beside the speedrun
         assert 0 <= report["anchor"]["anchor_test_top1_tta"] <= 1 and report["anchor"]["anchor_epochs"] == 0.2
         assert report["anchor"]["zoo_test_top1_tta"] == report["speedrun"]["test_top1"]
         assert "| test top-1, TTA |" in (out / "gpu_check.md").read_text()
-    assert report["cuda_tests"]["skipped" if not torch.cuda.is_available() else "passed"] >= 20
+    if "cuda_tests" not in skip:
+        assert report["cuda_tests"]["skipped" if not torch.cuda.is_available() else "passed"] >= 20
     steps = ("vit_tiny", "vit_tiny_step", "speedrun") if torch.cuda.is_available() else ("vit_tiny", "speedrun")
     assert torch.cuda.is_available() or "not_run" in report["vit_tiny_step"]  # its compile takes a minute on a CPU
     for step in steps:
@@ -56,7 +63,7 @@ def test_dry_run_runs_every_step_and_writes_the_report(cifar_dir, tmp_path):
     profile = report["vit_tiny"]
     assert profile["step_ms"] > 0 and profile["device_kernels_per_step"] >= 0 and 0 <= profile["device_busy_share"]
     text = (out / "gpu_check.md").read_text()
-    assert "## speedrun" in text and "## cuda_tests" in text
+    assert "## speedrun" in text and ("## cuda_tests" in text) == ("cuda_tests" not in skip)
     assert done.stdout.strip().splitlines()[-1] == str(out / "gpu_check.md")
 
 

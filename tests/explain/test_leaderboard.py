@@ -38,9 +38,9 @@ def test_shared_end_points_equal_scoring_every_fraction():
     from zoo.explain.perturbation import FRACTIONS, perturbation_curves
 
     model = zoo.create_model("vit_nano").eval()
-    images, labels = torch.randn(5, 3, 32, 32), torch.arange(5)
-    heatmaps = method_heatmaps(model, images, labels, methods=["rollout", "chefer2021"])
-    assert list(heatmaps) == ["rollout", "chefer2021", "random", "centre", "edges"]
+    images, labels = torch.randn(3, 3, 32, 32), torch.arange(3)
+    heatmaps = method_heatmaps(model, images, labels, methods=["rollout"])
+    assert list(heatmaps) == ["rollout", "random", "centre", "edges"]
     curves = faithfulness_curves(model, images, labels, heatmaps, removals=("zero", "blur"), batch_size=16)
     for (removal, metric), by_method in curves.items():
         for method, curve in by_method.items():

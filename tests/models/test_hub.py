@@ -52,12 +52,13 @@ def test_local_dir_and_torch_hub_predict_as_the_shipped_weights(spread_test_imag
     data = resolve_model_data_config(from_dir)
     # timm leaves config.json's lists as lists
     assert {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()} == resolve_model_data_config(reference)
-    images, labels = spread_test_images(card["class_names"], card["check_images"])
+    # 100 real test images: the three loads must agree to the bit (test_pretrained checks the card's top-1 on all
+    # of its check images)
+    images, labels = spread_test_images(card["class_names"], 100)
     mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (data["mean"], data["std"]))
     x = (images.float() / 255 - mean) / std
     with torch.no_grad():
         expected = reference(x)
         torch.testing.assert_close(from_dir(x), expected, rtol=0, atol=0)
         torch.testing.assert_close(from_hub(x), expected, rtol=0, atol=0)
-    top1 = (expected.argmax(1) == labels).float().mean().item()
-    assert top1 == pytest.approx(card["check_top1"], abs=0.005)  # the same images; decoders may differ by a pixel
+    assert (expected.argmax(1) == labels).float().mean().item() > 0.5  # the shipped model, not an untrained one

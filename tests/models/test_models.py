@@ -214,10 +214,11 @@ def test_torch_compile(name):
     compile_check(name)
 
 
-@pytest.mark.parametrize("family", ["hybrid", "resnet_cbam"])
+@pytest.mark.parametrize("family", ["hybrid", pytest.param("resnet_cbam", marks=pytest.mark.slow)])
 def test_torch_compile_one_small_model_per_conv_family(family):
-    """Default-suite compile check for the conv families (the ViT family's is in test_vit.py): small
-    members, so inductor compiles in seconds; every registered model compiles behind the slow marker."""
+    """Compile check for the conv families (the ViT family's is in test_vit.py): small members, so inductor
+    compiles in seconds. The hybrid's runs in the default suite; the ResNet's (a minute on an AVX2-only CPU) and
+    every registered model's behind the slow marker."""
     from timm.models.resnet import BasicBlock
 
     from zoo.models.resnet import CifarResNet

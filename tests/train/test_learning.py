@@ -34,6 +34,7 @@ def _train(cifar_dir, tmp_path, *extra: str) -> dict:
     return {"run_dir": run_dir, **json.loads((run_dir / "summary.json").read_text())}
 
 
+@pytest.mark.slow  # six epochs; the default suite's small form is the --max-time run below (above chance in 15 s)
 def test_small_hybrid_learns_real_cifar10(cifar_dir, tmp_path):
     summary = _train(cifar_dir, tmp_path)
     assert summary["global_step"] == 6 * (5000 // 64), summary

@@ -216,7 +216,8 @@ class ScalerUnaware(MuonAdamW):
 def _fused(model, kind: type[MuonAdamW] = MuonAdamW):
     head = {id(p) for p in model.get_classifier().parameters()}
     muon, adamw = muon_split(param_groups(model, 2e-3, 0.05), head)
-    return kind(muon, adamw, 2e-3, momentum=0.95, fused=True)
+    # fp32 Newton-Schulz: the scaler's path does not depend on it, and CPUs without native bf16 emulate it slowly
+    return kind(muon, adamw, 2e-3, momentum=0.95, fused=True, ns_dtype=torch.float32)
 
 
 def _scaled_step(model, optimizer, scaler, seed, poison: bool = False):

@@ -73,9 +73,9 @@ def mode_steps(name: str, batch: int, modes=DEFAULT_MODES) -> tuple[dict[str, Ca
     return steps, compile_s
 
 
-def bench_modes(names, batch: int = 128, repeats: int = 5, modes=DEFAULT_MODES) -> list[dict]:
+def bench_modes(names, batch: int = 128, repeats: int = 5, modes=DEFAULT_MODES, infer_batch: int = 256) -> list[dict]:
     """[{"model", "batch", "<mode>_img_s" per mode, "<mode>_compile_s" per compiled mode, "<mode>_vs_fp32"
-    ratios, "infer_img_s" and "infer_bf16_mixed_img_s" (eval-mode forward at batch 256 in fp32 and under bf16
+    ratios, "infer_img_s" and "infer_bf16_mixed_img_s" (eval-mode forward at ``infer_batch`` in fp32 and under bf16
     autocast, channels_last for the conv models as train.py runs them)}]. ``modes`` must hold "fp32" (the ratios'
     baseline)."""
     if "fp32" not in modes:
@@ -85,8 +85,8 @@ def bench_modes(names, batch: int = 128, repeats: int = 5, modes=DEFAULT_MODES) 
         model = create_model(name)
         if name.startswith(("resnet", "hybrid")):  # as train.py runs them (channels_last "auto")
             model = model.to(memory_format=torch.channels_last)
-        infer = {f"infer{suffix}_img_s": measure_inference(model, (3, *_img_size(model)), 256, precision=precision,
-                                                            repeats=repeats)
+        infer = {f"infer{suffix}_img_s": measure_inference(model, (3, *_img_size(model)), infer_batch,
+                                                            precision=precision, repeats=repeats)
                  for suffix, precision in (("", "32"), ("_bf16_mixed", "bf16-mixed"))}
         steps, compile_s = mode_steps(name, batch, modes)
         seconds = interleaved_medians(steps, repeats=repeats)
