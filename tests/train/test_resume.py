@@ -25,8 +25,9 @@ def base_args(cifar_dir, tmp_path):
     return [sys.executable, str(REPO / "train.py"), "--model", "vit_nano",
             "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path / "cache"), "--max-train-images", "400",
             "--max-test-images", "64", "--set", "val_size=64", "--batch-size", "16",
-            "--out", str(tmp_path / "runs"),
-            "--limit-val-batches", "1", "--limit-test-batches", "1"]
+            "--out", str(tmp_path / "runs"), "--limit-val-batches", "1", "--limit-test-batches", "1",
+            # a one-block, 32-wide vit_nano in fp32 (no precision probe): what is tested is the run's files
+            "--precision", "32", "--set", "model_args.embed_dim=32", "--set", "model_args.depth=1"]
 
 
 def test_sigkill_then_resume_auto_continues_the_same_run(base_args, tmp_path):
