@@ -38,6 +38,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "no_lr_split": ("no_decay_lr_scale=1",),
     "eager": ("compile=false",),
     "patch_drop": ("model_args.patch_drop_rate=0.5",),  # ViTs only: half the patch tokens in each training step
+    # DeiT's hard-label distillation from the shipped hybrid; its rows are never plain ten-minute figures (the
+    # teacher's own training is outside the budget), and its results records name the teacher.
+    "distill": ("teacher=pretrained:hybrid_tiny",),
+    "patch_drop_distill": ("model_args.patch_drop_rate=0.5", "teacher=pretrained:hybrid_tiny"),
 }
 FIELDS = ("variant", "seed", "run_dir", "precision", "optimizer", "steps", "train_images_per_s", "best_val_top1",
           "test_top1_tta", "test_top1_plain")
