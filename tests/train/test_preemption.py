@@ -159,6 +159,44 @@ def test_signal_saves_at_the_step_and_resume_equals_the_uninterrupted_run(
     _same_rows(run, reference_run)
 
 
+@pytest.mark.parametrize(("signums", "write", "code"), [
+    ([signal.SIGTERM], 1, 143), ([signal.SIGUSR1], 1, 138), ([signal.SIGINT, signal.SIGINT], 2, 130)],
+    ids=["sigterm", "sigusr1", "ctrl-c-twice"])
+def test_a_signal_while_a_checkpoint_is_written_keeps_a_whole_one_and_resumes_exactly(
+        argv, tmp_path, monkeypatch, capsys, uninterrupted, reference_run, signums, write, code):
+    """The signals arrive inside the ``write``-th write of last.ckpt (every 2 steps here), its bytes in the temp
+    file and not yet moved onto last.ckpt. One signal: that write completes and the run stops at the step with
+    its checkpoint. Ctrl-C twice: the run stops inside the write, which is abandoned; the previous last.ckpt
+    stays whole, no temp file is left, and --resume auto still ends with the uninterrupted run's weights."""
+    from zoo.train import runs
+
+    real, writes = runs.atomic_write, []
+
+    def write_then_signal(path, write_file):
+        def inner(f):
+            write_file(f)
+            if Path(path).name == "last.ckpt":
+                writes.append(path)
+                if len(writes) == write:
+                    for signum in signums:
+                        os.kill(os.getpid(), signum)
+        return real(path, inner)
+
+    monkeypatch.setattr(runs, "atomic_write", write_then_signal)
+    assert _run(argv, monkeypatch) == code
+    monkeypatch.setattr(runs, "atomic_write", real)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train.py:")]
+    assert len(err) == 1 and "--resume auto" in err[0], err
+    run = _only_run(tmp_path)
+    checkpoints = run / "checkpoints"
+    assert not [p.name for p in checkpoints.iterdir() if p.name.endswith(".tmp")]
+    saved = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 2  # the first write (steps 2): completed, or the one before the abandoned one
+    assert _run([*argv, "--resume", "auto"], monkeypatch) == 0
+    _assert_same(_weights(run), uninterrupted)
+    _same_rows(run, reference_run)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_signal_during_the_final_test_exits_128_plus_it_and_resume_tests(
         argv, tmp_path, monkeypatch, capsys, reference_run, signum):

@@ -60,7 +60,7 @@ from .forecast import RunForecast
 from .host_memory import keep_freed_memory
 from .loggers import build_loggers, require_loggers
 from .module import ImageClassifier
-from .preemption import EpochMetrics, PreemptionCheckpoint, RandomStates, stops_at_once
+from .preemption import EpochMetrics, Interrupted, PreemptionCheckpoint, RandomStates, stops_at_once
 from .probes import model_args, probe_optimizer, probe_precision, probe_step_seconds, uses_channels_last
 from .quiet import quiet_libraries
 from .recipe import Recipe
@@ -126,8 +126,11 @@ def fit(recipe: Recipe) -> Path:
     keep_freed_memory()  # before the precision probe, which times steps as training will run them
     # SIGTERM, SIGUSR1 or Ctrl-C while the data are decoded or the probes run: nothing written yet; one line and
     # 128 + the signal, as in every later phase (SIGTERM's default action would end the process without a word)
-    with stops_at_once("before training", resumed_checkpoint(recipe)):
-        plan, dm = plan_run(recipe)
+    try:
+        with stops_at_once("before training"):
+            plan, dm = plan_run(recipe)
+    except Interrupted as stop:  # the line names the checkpoint a resume would continue (looked up only now)
+        raise Interrupted(stop.signum, stop.when, resumed_checkpoint(recipe)) from None
     # the run directory is held by one process: a second one resuming it stops here in one line, before it
     # rewrites anything (a run refused earlier, for other data or another model, touched nothing)
     lock, created = RunLock(plan.run_dir) if is_global_zero() else None, None
