@@ -81,3 +81,33 @@ def test_the_plain_evaluation_goes_where_eval_py_writes_inside_a_run(tmp_path):
     check_out_dir(ablation.eval_dir(run_dir))  # accepted: the run's own eval/ folder
     with pytest.raises(ValueError):
         check_out_dir(run_dir / "plain")
+
+
+@pytest.mark.parametrize("tta", [0, 2])
+def test_a_run_tested_without_tta_is_not_evaluated_again(tmp_path, monkeypatch, tta):
+    """With ``--set tta=0`` the run's own test is the plain number: eval.py runs only where the test used TTA."""
+    import argparse
+    import json
+    import subprocess
+
+    run_dir = tmp_path / "runs" / "vit_tiny" / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"model: vit_tiny\ntta: {tta}\n")
+    (run_dir / "summary.json").write_text(json.dumps({
+        "precision": "32", "global_step": 7, "train_images_per_s": 1.0, "best_val_top1": 0.3, "test_top1": 0.25,
+        "tested_checkpoint": "last.ckpt"}))
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        if "--checkpoint" in cmd:  # eval.py: writes the plain top-1 where the ablation reads it
+            (run_dir / "eval").mkdir()
+            (run_dir / "eval" / "metrics.json").write_text(json.dumps({"test_top1": 0.2}))
+        return subprocess.CompletedProcess(cmd, 0, stdout=f"{run_dir}\n")
+
+    monkeypatch.setattr(ablation.subprocess, "run", fake_run)
+    args = argparse.Namespace(model="vit_tiny", config=CONFIG, data_dir="DATA", max_time="00:00:10:00",
+                              out=tmp_path, set=[f"tta={tta}"])
+    row = ablation.run_one("recipe", 0, args)
+    assert len(calls) == (2 if tta else 1)
+    assert (row["test_top1_tta"], row["test_top1_plain"]) == ((0.25, 0.2) if tta else (0.25, 0.25))

@@ -217,3 +217,17 @@ def test_boards_of_one_measurement_share_a_table_and_a_heading_naming_each_comma
     assert headings == [f"`{first['machine']['id']}`, {first['date']}; {first['numbers']['setting']}. "
                         "Commands: `cmd a`; `cmd b`. `vit_a`: note a. `vit_b`: note b."]
     assert [line.split(" | ")[0] for line in lines if line.startswith("| `")] == ["| `vit_a`", "| `vit_b`"]
+
+
+def test_a_compiled_step_record_gets_its_own_table_with_every_count():
+    row = {"model": "vit_tiny", "batch": 32, "eager_aten_ops": 8481, "compiled_aten_ops": 1443, "ops_ratio": 5.877,
+           "compile_s_first_process": 250.0, "compile_s_second_process": 20.5, "cache_misses_first_process": 3,
+           "cache_hits_second_process": 3, "cache_misses_second_process": 0}
+    record = {"kind": "compiled_step", "title": "The compiled training step", "command": "python -m x",
+              "date": "d", "machine": {"id": "m"}, "numbers": {"rows": [row]}}
+    lines = report_tables.compiled_step_section([record])
+    assert lines[0] == "## The compiled training step"
+    header = next(line for line in lines if line.startswith("| model |"))
+    assert header.count("|") == 10  # nine columns
+    assert "| `vit_tiny` | 32 | 8,481 | 1,443 | 5.877 | 250 | 20.5 | 3 | 0 |" in lines
+    assert report_tables.compiled_step_section([]) == []

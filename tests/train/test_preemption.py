@@ -159,6 +159,20 @@ def test_signal_saves_at_the_step_and_resume_equals_the_uninterrupted_run(
     _same_rows(run, reference_run)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["sigterm", "sigusr1"])
+def test_the_same_signal_twice_in_training_stops_once_at_the_step(argv, tmp_path, monkeypatch, capsys, uninterrupted,
+                                                                  signum):
+    """A scheduler that repeats its SIGTERM (or SIGUSR1) before the step ends: the second is ignored; one
+    checkpoint at the step, exit 128 + the signal, and the resume ends with the uninterrupted run's weights."""
+    assert _run(argv, monkeypatch, _AtStep(3, _kill(signum, signum))) == 128 + signum
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train.py:")]
+    assert len(err) == 1 and "--resume auto" in err[0], err
+    run = _only_run(tmp_path)
+    assert torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 3
+    assert _run([*argv, "--resume", "auto"], monkeypatch) == 0
+    _assert_same(_weights(run), uninterrupted)
+
+
 @pytest.mark.parametrize(("signums", "write", "code"), [
     ([signal.SIGTERM], 1, 143), ([signal.SIGUSR1], 1, 138), ([signal.SIGINT, signal.SIGINT], 2, 130)],
     ids=["sigterm", "sigusr1", "ctrl-c-twice"])

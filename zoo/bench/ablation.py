@@ -70,14 +70,24 @@ def run_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     run_dir = Path(done.stdout.strip().splitlines()[-1])  # train.py prints the run directory last
     summary = json.loads((run_dir / "summary.json").read_text())
-    ckpt = run_dir / "checkpoints" / summary["tested_checkpoint"]
-    subprocess.run([sys.executable, "-c", _EVAL, "--checkpoint", str(ckpt), "--out", str(eval_dir(run_dir)),
-                    "--data-dir", args.data_dir], check=True, stdout=subprocess.DEVNULL)
-    plain = json.loads((eval_dir(run_dir) / "metrics.json").read_text())
+    if run_tta(run_dir):
+        ckpt = run_dir / "checkpoints" / summary["tested_checkpoint"]
+        subprocess.run([sys.executable, "-c", _EVAL, "--checkpoint", str(ckpt), "--out", str(eval_dir(run_dir)),
+                        "--data-dir", args.data_dir], check=True, stdout=subprocess.DEVNULL)
+        plain = json.loads((eval_dir(run_dir) / "metrics.json").read_text())["test_top1"]
+    else:  # the run tested without TTA (--set tta=0): its test is the plain one, nothing to evaluate again
+        plain = summary["test_top1"]
     return {"variant": variant, "seed": seed, "run_dir": str(run_dir), "precision": summary["precision"],
             "optimizer": summary.get("optimizer"), "steps": summary["global_step"],
             "train_images_per_s": summary["train_images_per_s"], "best_val_top1": summary["best_val_top1"],
-            "test_top1_tta": summary["test_top1"], "test_top1_plain": plain["test_top1"]}
+            "test_top1_tta": summary["test_top1"], "test_top1_plain": plain}
+
+
+def run_tta(run_dir: Path) -> int:
+    """The test-time augmentation level the run's final test used (its config.yaml's ``tta``)."""
+    import yaml
+
+    return int((yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("tta", 0))
 
 
 def read_rows(path: Path) -> list[dict]:

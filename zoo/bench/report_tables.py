@@ -238,6 +238,24 @@ def optimizer_section(results: list[dict]) -> list[str]:
                key=lambda r: (r["kind"], r["command"])), cols)
 
 
+def compiled_step_section(results: list[dict]) -> list[str]:
+    cols = [("model", "model"), ("batch", "batch"), ("eager_aten_ops", "eager step, aten ops"),
+            ("compiled_aten_ops", "compiled step, aten ops"), ("ops_ratio", "eager / compiled"),
+            ("compile_s_first_process", "compile s, first process"),
+            ("compile_s_second_process", "compile s, second process"),
+            ("cache_hits_second_process", "cache hits, second"),
+            ("cache_misses_second_process", "cache misses, second")]
+    records = sorted(records_of(results, "compiled_step"), key=lambda r: (r["machine"]["id"], r["date"]))
+    if not records:
+        return []
+    return _rows_section(
+        "The compiled training step",
+        "`compile: step` against the eager step, one AdamW step with the EMA of the weights and the schedule: the "
+        "aten ops each dispatches (the profiler's count; Inductor's fused kernels call aten only for matmuls, "
+        "attention and buffers), and the first compiled step's seconds in a first process (an empty compile cache) "
+        "and a second one (the cache the first filled).", records, cols)
+
+
 def suite_section(results: list[dict]) -> list[str]:
     out = ["## Attention kernels against timm and the floor", "",
            "zoo = `zoo.MultiHeadAttention` (backend auto = sdpa); timm = `timm.layers.Attention` with the same "
