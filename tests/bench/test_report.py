@@ -138,7 +138,7 @@ def test_mean_sd_is_the_sample_sd():
 def test_front_door_shape():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 120
-    assert len((REPO / "BENCHMARKS.md").read_text().splitlines()) <= 250
+    assert len((REPO / "BENCHMARKS.md").read_text().splitlines()) <= 300  # one table per measured kind, kept short
     figure = REPO / "docs" / "figure.png"
     assert "](docs/figure.png)" in readme and figure.stat().st_size < 400_000
     assert "python -m zoo.explain.readme_figure" in readme   # the command that redraws it

@@ -138,6 +138,9 @@ def test_a_distilled_run_is_recorded_under_its_teacher(tmp_path):
     assert record["command"].endswith("--seed 0 --teacher pretrained:hybrid_tiny")
     assert results.from_run(run, setting="--teacher pretrained:hybrid_tiny")["numbers"]["setting"] == \
         "--teacher pretrained:hybrid_tiny"
+    # as the ablation names it (--set teacher=...): once, not a second time as --teacher
+    assert results.from_run(run, setting="--set teacher=pretrained:hybrid_tiny")["numbers"]["setting"] == \
+        "--set teacher=pretrained:hybrid_tiny"
 
 
 def test_cli_records_a_run_and_refuses_a_non_run(tmp_path, capsys):

@@ -248,7 +248,8 @@ def from_run(run_dir: str | Path, *, setting: str = "", command: str | None = No
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except (OSError, json.JSONDecodeError, yaml.YAMLError) as e:
         raise ResultError(f"{run_dir}: not a finished run ({e})") from None
-    if config.get("teacher") and "--teacher" not in setting:  # a distilled run is its own row, never a plain one
+    # a distilled run is its own row, never a plain one (named once: --teacher X or --set teacher=X)
+    if config.get("teacher") and "--teacher" not in setting and "teacher=" not in setting:
         setting = f"{setting} --teacher {config['teacher']}".strip()
     numbers = {"model": summary.get("model", config.get("model")),
                "budget": config.get("max_time") or f"{config.get('epochs')} epochs",
