@@ -180,7 +180,7 @@ def test_records_of_one_machine_date_and_columns_share_a_table():
 
     records = [record("d1", "a", 0.5), record("d1", "b", 0.75), record("d2", "c", 1.0, "A note."),
                record("d3", "d", 1.0, "Both."), record("d4", "e", 1.0, "Both.")]
-    lines = report_tables._rows_section("T", "intro", records, [("model", "model"), ("muon_vs_adamw", "ratio")])
+    lines = report_tables.rows_section("T", "intro", records, [("model", "model"), ("muon_vs_adamw", "ratio")])
     assert sum(line.startswith("| model |") for line in lines) == 4  # a, b together; c, d, e (other dates) apart
     assert "a: `m`, d1. Command: `cmd a`  \nb: `m`, d1. Command: `cmd b`" in lines
     shared = lines.index("| `vit_nano` | 0.5 |")
@@ -225,9 +225,9 @@ def test_a_compiled_step_record_gets_its_own_table_with_every_count():
            "cache_hits_second_process": 3, "cache_misses_second_process": 0}
     record = {"kind": "compiled_step", "title": "The compiled training step", "command": "python -m x",
               "date": "d", "machine": {"id": "m"}, "numbers": {"rows": [row]}}
-    lines = report_tables.compiled_step_section([record])
+    lines = report.compiled_step_section([record])
     assert lines[0] == "## The compiled training step"
     header = next(line for line in lines if line.startswith("| model |"))
     assert header.count("|") == 10  # nine columns
     assert "| `vit_tiny` | 32 | 8,481 | 1,443 | 5.877 | 250 | 20.5 | 3 | 0 |" in lines
-    assert report_tables.compiled_step_section([]) == []
+    assert report.compiled_step_section([]) == []

@@ -21,7 +21,6 @@ from .report_tables import (
     MODEL_ORDER,
     TEN_MINUTES,
     accuracy_section,
-    compiled_step_section,
     faithfulness_section,
     gpu_section,
     machines_of,
@@ -31,6 +30,7 @@ from .report_tables import (
     num,
     optimizer_section,
     records_of,
+    rows_section,
     shipped_section,
     sparse_section,
     suite_section,
@@ -40,6 +40,24 @@ from .report_tables import (
 README_MACHINE = "amd-f26-m2"  # the one machine README's accuracy and speed columns come from
 README_BEGIN = "<!-- results table: written by `python -m zoo.bench.report` from results/; edit those, not this -->"
 README_END = "<!-- end of results table -->"
+
+def compiled_step_section(results: list[dict]) -> list[str]:
+    cols = [("model", "model"), ("batch", "batch"), ("eager_aten_ops", "eager step, aten ops"),
+            ("compiled_aten_ops", "compiled step, aten ops"), ("ops_ratio", "eager / compiled"),
+            ("compile_s_first_process", "compile s, first process"),
+            ("compile_s_second_process", "compile s, second process"),
+            ("cache_hits_second_process", "cache hits, second"),
+            ("cache_misses_second_process", "cache misses, second")]
+    records = sorted(records_of(results, "compiled_step"), key=lambda r: (r["machine"]["id"], r["date"]))
+    if not records:
+        return []
+    return rows_section(
+        "The compiled training step",
+        "`compile: step` against the eager step, one AdamW step with the EMA of the weights and the schedule: the "
+        "aten ops each dispatches (the profiler's count; Inductor's fused kernels call aten only for matmuls, "
+        "attention and buffers), and the first compiled step's seconds in a first process (an empty compile cache) "
+        "and a second one (the cache the first filled).", records, cols)
+
 
 def render_benchmarks(results: list[dict]) -> str:
     superseded = sum(1 for r in results if r.get("superseded"))

@@ -184,7 +184,7 @@ def shipped_section(results: list[dict]) -> list[str]:
             *notes.lines()]
 
 
-def _rows_section(title: str, intro: str, records: list[dict], columns: list[tuple[str, str]],
+def rows_section(title: str, intro: str, records: list[dict], columns: list[tuple[str, str]],
                   cell: Callable = num) -> list[str]:
     """A table per record under a line naming its machine, date and command. Consecutive records of one machine and
     date with the same columns and note share one table (their lines one under the other); a table's own note ends
@@ -213,7 +213,7 @@ def _rows_section(title: str, intro: str, records: list[dict], columns: list[tup
 
 def modes_section(results: list[dict]) -> list[str]:
     records = sorted(records_of(results, "modes"), key=lambda r: (r["machine"]["id"], r["date"]))
-    return _rows_section(
+    return rows_section(
         "Throughput per way of running",
         "Training images/s at batch 128 (forward, cross-entropy, backward, AdamW on random images) and inference "
         "images/s at batch 256; medians of interleaved repeats. *compiled*: the whole model (`compile: true`); "
@@ -228,7 +228,7 @@ def optimizer_section(results: list[dict]) -> list[str]:
             ("matrices", "matrices"), ("shapes", "shapes"), ("torch_loop_bf16_ms", "torch's loop, bf16 ms"),
             ("batched_bf16_ms", "batched, bf16 ms"), ("batched_fp32_ms", "batched, fp32 ms"),
             ("floor_bf16_ms", "floor, bf16 ms"), ("loop_vs_floor", "loop / floor")]
-    return _rows_section(
+    return rows_section(
         "What an optimizer step costs",
         "A training step's speed with Muon against AdamW (1.0 = as fast), and one Muon step over a model's "
         "matrices: torch's loop against the zoo's iteration batched per shape. *floor*: the iteration's matmul "
@@ -236,24 +236,6 @@ def optimizer_section(results: list[dict]) -> list[str]:
         "its speed-up.",
         sorted(records_of(results, "optimizer_cost") + records_of(results, "muon"),
                key=lambda r: (r["kind"], r["command"])), cols)
-
-
-def compiled_step_section(results: list[dict]) -> list[str]:
-    cols = [("model", "model"), ("batch", "batch"), ("eager_aten_ops", "eager step, aten ops"),
-            ("compiled_aten_ops", "compiled step, aten ops"), ("ops_ratio", "eager / compiled"),
-            ("compile_s_first_process", "compile s, first process"),
-            ("compile_s_second_process", "compile s, second process"),
-            ("cache_hits_second_process", "cache hits, second"),
-            ("cache_misses_second_process", "cache misses, second")]
-    records = sorted(records_of(results, "compiled_step"), key=lambda r: (r["machine"]["id"], r["date"]))
-    if not records:
-        return []
-    return _rows_section(
-        "The compiled training step",
-        "`compile: step` against the eager step, one AdamW step with the EMA of the weights and the schedule: the "
-        "aten ops each dispatches (the profiler's count; Inductor's fused kernels call aten only for matmuls, "
-        "attention and buffers), and the first compiled step's seconds in a first process (an empty compile cache) "
-        "and a second one (the cache the first filled).", records, cols)
 
 
 def suite_section(results: list[dict]) -> list[str]:
