@@ -7,9 +7,10 @@ directory."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
-import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,33 @@ def write_image_tree(root: Path, size: int, counts=(("train", 8), ("test", 2)), 
             for i in range(count):
                 Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
     return root
+
+
+def train_in_process(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python train.py *argv`` run as ``zoo.train.cli.main(argv)`` in this process, its stdout and stderr
+    captured: a ``CompletedProcess`` as ``subprocess.run(..., capture_output=True, text=True)`` gives, without
+    the ~10 s a new process spends importing torch, timm and Lightning. For tests of what a run does; what
+    only a process shows (signals from outside, exit by a signal, the first screen, imports) keeps a subprocess."""
+    from zoo.train.cli import main
+
+    out, err, before = io.StringIO(), io.StringIO(), Path.cwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main([str(a) for a in argv])
+            except SystemExit as stop:  # argparse's errors
+                code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(["train.py", *argv], code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="session")
+def run_train():
+    """``train_in_process``, for tests and module fixtures."""
+    return train_in_process
 
 
 @pytest.fixture(scope="session")
@@ -91,11 +119,10 @@ def cifar_dir() -> Path:
 def tiny_run(cifar_dir, tmp_path_factory):
     """A vit_nano run trained for 2 steps on 128 real images, tested on 32 (Lightning's test loop)."""
     root = tmp_path_factory.mktemp("runs")
-    cmd = [sys.executable, "train.py", "--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1",
-           "--max-train-images", "128", "--max-test-images", "32", "--limit-train-batches", "2",
-           "--limit-val-batches", "1", "--batch-size", "32", "--set", "val_size=32", "--out", str(root),
-           "--cache-dir", str(root / "cache")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = train_in_process(["--model", "vit_nano", "--data-dir", cifar_dir, "--epochs", "1",
+                             "--max-train-images", "128", "--max-test-images", "32", "--limit-train-batches", "2",
+                             "--limit-val-batches", "1", "--batch-size", "32", "--set", "val_size=32", "--out", root,
+                             "--cache-dir", root / "cache"])
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = (root / "vit_nano").iterdir()
     return run

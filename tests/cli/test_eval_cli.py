@@ -52,7 +52,7 @@ def test_eval_writes_metrics_figures_maps_and_deletion(tiny_run, tmp_path, capsy
     assert (out / "deletion.png").is_file()
 
 
-def test_compare_two_runs(tiny_run, tmp_path):
+def test_compare_two_runs(tiny_run, tmp_path, monkeypatch):
     first, second = tmp_path / "vit_nano" / "first-run", tmp_path / "vit_nano" / "second-run"
     shutil.copytree(tiny_run, first)
     shutil.copytree(tiny_run, second)
@@ -67,12 +67,17 @@ def test_compare_two_runs(tiny_run, tmp_path):
                 "num_images": 20}
                for method, auc, p in (("rollout", 0.3, 0.4), ("chefer2021", 0.2, 0.001), ("random", 0.1, math.nan))],
               second / "faithfulness.csv")  # the best method is named whatever the row label says
+    from zoo.explain import compare
+
+    batches, measure = [], compare.measure_inference
+    monkeypatch.setattr(compare, "measure_inference", lambda *a, **k: batches.append(a[2]) or measure(*a, **k))
     out = tmp_path / "compare"
     assert eval_cli.main(["--compare", str(first), str(second), "--out", str(out), "--batch-size", "16",
                           "--deletion-images", "4"]) == 0
     with (out / "compare.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2
+    assert batches == [16]  # only the run without a benchmark.json is timed, at --batch-size
     summary = json.loads((tiny_run / "summary.json").read_text())
     for row in rows:
         assert int(row["params"]) == summary["params"] and float(row["test_top1"]) == summary["test_top1"]
@@ -82,6 +87,7 @@ def test_compare_two_runs(tiny_run, tmp_path):
     assert rows[0]["faithfulness_best"] == ""
     assert rows[1]["faithfulness_best"] == "chefer2021 (deletion AUC 0.200, zero removal, p vs random 0.001, 20 images)"
     assert "| model |" in (out / "compare.md").read_text()
+    assert "no-grad forwards of 16 random images (--batch-size)" in (out / "compare.md").read_text()
     assert (out / "accuracy_vs_throughput.png").is_file() and (out / "rollout_grid.png").is_file()
 
 

@@ -6,9 +6,6 @@ cross-entropy on the same test images, and against the raw weights, which must s
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,18 +15,16 @@ from zoo.explain.report import data_module_for
 from zoo.models import load_run
 from zoo.models.checkpoints import load_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def ema_run(cifar_dir, tmp_path_factory):
+def ema_run(cifar_dir, tmp_path_factory, run_train):
     root = tmp_path_factory.mktemp("ema_runs")
-    cmd = [sys.executable, "train.py", "--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1",
+    cmd = ["--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1",
            "--max-train-images", "256", "--max-test-images", "64", "--limit-train-batches", "6",
            "--limit-val-batches", "1", "--batch-size", "32", "--lr", "0.01", "--set", "val_size=32",
            "--set", "ema_decay=0.5", "--set", "label_smoothing=0.0", "--set", "tta=0", "--set", "warmup_epochs=0",
            "--out", str(root), "--cache-dir", str(root / "cache")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = run_train(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = (root / "vit_nano").iterdir()
     return run

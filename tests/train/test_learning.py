@@ -10,40 +10,34 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from zoo.train.recipe import CONFIG_DIR
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def _train(cifar_dir, tmp_path, *extra: str) -> dict:
-    cmd = [sys.executable, str(REPO / "train.py"),
-           "--config", str(CONFIG_DIR / "test_tiny.yaml"),
+def _train(run_train, cifar_dir, tmp_path, *extra: str) -> dict:
+    cmd = ["--config", str(CONFIG_DIR / "test_tiny.yaml"),
            "--data-dir", str(cifar_dir), "--cache-dir", str(tmp_path.parent / "learning-cache"),
            "--max-train-images", "5500", "--max-test-images", "1000", "--out", str(tmp_path / "runs"),
            *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    done = run_train(cmd, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / done.stdout.strip().splitlines()[-1]
     return {"run_dir": run_dir, **json.loads((run_dir / "summary.json").read_text())}
 
 
 @pytest.mark.slow  # six epochs; the default suite's small form is the --max-time run below (above chance in 15 s)
-def test_small_hybrid_learns_real_cifar10(cifar_dir, tmp_path):
-    summary = _train(cifar_dir, tmp_path)
+def test_small_hybrid_learns_real_cifar10(run_train, cifar_dir, tmp_path):
+    summary = _train(run_train, cifar_dir, tmp_path)
     assert summary["global_step"] == 6 * (5000 // 64), summary
     assert summary["test_top1"] >= 0.30, summary
 
 
 @pytest.mark.parametrize("budget_s", [15])
-def test_max_time_fits_the_schedule_and_still_tests(cifar_dir, tmp_path, budget_s):
-    summary = _train(cifar_dir, tmp_path, "--epochs", "1000", "--max-time", f"00:00:00:{budget_s}")
+def test_max_time_fits_the_schedule_and_still_tests(run_train, cifar_dir, tmp_path, budget_s):
+    summary = _train(run_train, cifar_dir, tmp_path, "--epochs", "1000", "--max-time", f"00:00:00:{budget_s}")
     assert summary["wall_time_s"] <= budget_s + 3, summary
     assert summary["epochs"] < 1000 and summary["test_top1"] > 0.1, summary
     ckpt = summary["run_dir"] / "checkpoints" / "last.ckpt"

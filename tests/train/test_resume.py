@@ -1,5 +1,6 @@
-"""Real subprocess runs of train.py: SIGKILL mid-training then ``--resume auto`` continues the same run
-directory from checkpoints/last.ckpt; DDP on two CPU processes (gloo) leaves one run directory."""
+"""Runs of train.py: SIGKILL of a subprocess mid-training then ``--resume auto`` continues the same run
+directory from checkpoints/last.ckpt; a finished run's resume keeps its results; DDP on two CPU processes (gloo)
+leaves one run directory."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def base_args(cifar_dir, tmp_path):
             "--precision", "32", "--set", "model_args.embed_dim=32", "--set", "model_args.depth=1"]
 
 
-def test_sigkill_then_resume_auto_continues_the_same_run(base_args, tmp_path):
+def test_sigkill_then_resume_auto_continues_the_same_run(base_args, tmp_path, run_train):
     cmd = [*base_args, "--epochs", "2", "--limit-train-batches", "20", "--ckpt-every-n-steps", "3"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
     deadline = time.time() + 180
@@ -49,8 +50,7 @@ def test_sigkill_then_resume_auto_continues_the_same_run(base_args, tmp_path):
     killed_at = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
     assert 0 < killed_at < 40
 
-    done = subprocess.run([*cmd, "--resume", "auto"], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=300)
+    done = run_train([*cmd[2:], "--resume", "auto"], cwd=tmp_path)  # the resume need not be a new process
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == str(run_dir)
     assert [p.name for p in (tmp_path / "runs" / "vit_nano").iterdir()] == [run_dir.name]
@@ -62,24 +62,22 @@ def test_sigkill_then_resume_auto_continues_the_same_run(base_args, tmp_path):
     assert min(steps) < killed_at
 
 
-def test_a_resume_of_a_finished_run_keeps_its_results(base_args, tmp_path):
+def test_a_resume_of_a_finished_run_keeps_its_results(base_args, tmp_path, run_train):
     """Fewer --epochs than the run has trained: Lightning refuses that only once training starts, after the run's
     config.yaml was rewritten; train.py refuses it first, in one line naming the flag. As many: nothing to train,
     and the run's summary.json stays as the run wrote it."""
-    cmd = [*base_args, "--limit-train-batches", "1"]
-    first = subprocess.run([*cmd, "--epochs", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    cmd = [*base_args[2:], "--limit-train-batches", "1"]  # in this process: what is tested is the run's files
+    first = run_train([*cmd, "--epochs", "2"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = Path(first.stdout.strip().splitlines()[-1])
     before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
-    done = subprocess.run([*cmd, "--epochs", "1", "--resume", str(run_dir)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300)
+    done = run_train([*cmd, "--epochs", "1", "--resume", str(run_dir)], cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1].endswith("past --epochs 1; resume with --epochs 2 or more (its "
                                                           "config.yaml), or start a new run"), done.stderr
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
     summary = (run_dir / "summary.json").read_bytes()
-    again = subprocess.run([*cmd, "--epochs", "2", "--resume", "auto"], capture_output=True, text=True,
-                           cwd=tmp_path, timeout=300)  # the finished run: nothing left to train
+    again = run_train([*cmd, "--epochs", "2", "--resume", "auto"], cwd=tmp_path)  # finished: nothing to train
     assert again.returncode == 0 and "the run had finished" in again.stdout, again.stderr[-3000:]
     assert (run_dir / "summary.json").read_bytes() == summary  # its test numbers kept, not a 0-step rerun's
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["resume"] is None  # the recipe, not the action

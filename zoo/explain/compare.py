@@ -52,7 +52,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
     leaderboard found in the run directory or in ``out``), accuracy_vs_throughput.png, and rollout_grid.png
     (the same test images' rollouts, or CBAM maps, across models). Reuses each run's summary.json and any
     metrics.json / benchmark.json / deletion.json found in the run directory; measures only what is missing
-    (inference images/s with few repeats; deletion on ``deletion_images`` seeded test images; test top-1, if
+    (inference images/s at ``batch_size`` with few repeats; deletion on ``deletion_images`` seeded test images; test top-1, if
     neither summary.json nor metrics.json has it, on those same images only); params and FLOPs of a run without
     them in summary.json (an unfinished one) are counted on its model. A run given twice -> ValueError;
     rows are labelled by model and run id (by the run's path where two run ids are the same). ``device``: as
@@ -81,7 +81,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
             images, labels = spread_test_images(dm, deletion_images)
             deletion = deletion_test(model, dm.normalize(images), labels)
         shape = tuple(dm.test_dataset.images.shape[1:])
-        inference = bench.get("inference_images_per_s") or measure_inference(model, shape, 256, repeats=3)
+        inference = bench.get("inference_images_per_s") or measure_inference(model, shape, batch_size, repeats=3)
         top1, tested = summary.get("test_top1"), (meta.get("config") or {}).get("max_test_images")
         if top1 is None and metrics.get("test_top1") is not None:
             top1, tested = metrics["test_top1"], metrics.get("num_images")
@@ -109,7 +109,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
         heatmap = explain(model, grid[2].normalize(grid[0]).to(device)).heatmap  # None: a model without attention
         heatmaps[label] = None if heatmap is None else heatmap.cpu()
         model.cpu()  # the device holds one compared model at a time
-    _write_table(rows, out)
+    _write_table(rows, out, batch_size)
     viz.save(viz.accuracy_throughput_figure([r["model"] for r in rows], [r["test_top1"] for r in rows],
                                             [r["inference_images_per_s"] for r in rows]),
              out / "accuracy_vs_throughput.png")
@@ -130,7 +130,7 @@ def training_status(meta: dict) -> str:
     return "unfinished" + (f" (checkpoint at {', '.join(w for w in where if w)})" if any(where) else "")
 
 
-def _write_table(rows: list[dict], out: Path) -> None:
+def _write_table(rows: list[dict], out: Path, batch_size: int) -> None:
     columns = list(rows[0])
     atomic_write_csv(out / "compare.csv", columns, rows)
 
@@ -148,7 +148,8 @@ def _write_table(rows: list[dict], out: Path) -> None:
     lines += ["| " + " | ".join(shown(r, c) for c in columns) + " |" for r in rows]
     note = ("\nAccuracies are fractions of the test_images test images (the seeded subset a run was tested on, or "
             "that this comparison tested where the run has no test result; an unfinished run has none: its "
-            "training did not reach the recipe's end). Deletion AUC: area under top-1 vs fraction of 8x8 "
+            "training did not reach the recipe's end). inference_images_per_s: no-grad forwards of "
+            f"{batch_size} random images (--batch-size), or the run's benchmark.json where it has one. Deletion AUC: area under top-1 vs fraction of 8x8 "
             "patches blanked, most important first (lower = more faithful explanation). faithfulness_best: the best "
             "method of the faithfulness.csv (eval.py --faithfulness) in the run directory or this folder.\n")
     atomic_write_text(out / "compare.md", "\n".join(lines) + "\n" + note)
