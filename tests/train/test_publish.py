@@ -22,6 +22,8 @@ def test_publish_writes_a_hub_folder_that_timm_loads_with_the_runs_predictions(t
     card = publish_run(tiny_run, out, data_dir=cifar_dir, command="python train.py --model vit_nano ...",
                        cache_dir=tmp_path / "cache", max_test_images=32)
     summary = json.loads((tiny_run / "summary.json").read_text())
+    (cache,) = (tmp_path / "cache").rglob("*.pt")  # the run's normalisation is reused: no train image decoded
+    assert len(torch.load(cache, weights_only=True)["train_images"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["model_card"] == card and config["architecture"] == "zoo_vit_nano"
     # the same checkpoint on the same 32 seeded test images as Lightning's test loop (the recipe has no TTA)

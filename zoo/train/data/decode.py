@@ -34,7 +34,7 @@ def fit_size(image: torch.Tensor, img_size: int) -> torch.Tensor:
     return TF.center_crop(image, [img_size, img_size])
 
 
-def decode_files(paths: list[Path], img_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_files(paths: list[str | Path], img_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode image files into (N_ok, 3, img_size, img_size) uint8 and the bool mask of files kept.
 
     A file that does not decode is skipped with a warning naming it."""
