@@ -3,14 +3,11 @@ a hand-picked list) given a value of the wrong type exits 2 with one line before
 number for a numeric key is either refused the same way or accepted, never a traceback. Through the command line
 (``train.py --set key=value``), so the test holds whatever parses the settings. So does every extreme value
 (0, negative, 1e308, inf, NaN, 10**30, text), through ``--set`` and through a config file; the largest values
-that are accepted train (one short subprocess run)."""
+that are accepted train (one short run)."""
 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,8 +15,6 @@ from zoo.train import cli
 from zoo.train.checks import FLOAT32_MAX, INT64_MAX, MAX_MINUTES
 from zoo.train.data import ImageDataModule
 from zoo.train.recipe import AugmentConfig, Recipe
-
-REPO = Path(__file__).resolve().parents[2]
 
 SKIP = {"model"}  # given by --model
 KEYS = [f.name for f in dataclasses.fields(Recipe) if f.name not in SKIP] + [
@@ -131,7 +126,7 @@ def test_a_product_beyond_float32_is_refused():
         Recipe(model="vit_nano", lr=1e3, no_decay_lr_scale=1e36)
 
 
-def test_the_largest_accepted_values_train(cifar_dir, tmp_path):
+def test_the_largest_accepted_values_train(cifar_dir, tmp_path, run_train):
     """Settings at the top of their ranges (or 10**30 where that is beyond any sense but within float32) train: two
     steps on 64 real images, exit 0."""
     edge = {"ckpt_every_minutes": MAX_MINUTES, "ckpt_every_n_steps": INT64_MAX, "seed": 2**32 - 1,
@@ -139,11 +134,11 @@ def test_the_largest_accepted_values_train(cifar_dir, tmp_path):
             "min_lr_ratio": 1e30, "augment.mixup_alpha": 1e30, "augment.cutmix_alpha": 1e30,
             "augment.crop_padding": 32, "augment.cutout": 32,
             "model_args.drop_path_rate": 0.99, "data_memory_budget": FLOAT32_MAX, "max_test_images": 16}
-    cmd = [sys.executable, "train.py", "--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1",
+    cmd = ["--model", "vit_nano", "--data-dir", str(cifar_dir), "--epochs", "1",
            "--max-train-images", "64", "--limit-train-batches", "2", "--limit-val-batches", "1",
            "--limit-test-batches", "1", "--batch-size", "32", "--out", str(tmp_path / "runs"),
            "--cache-dir", str(tmp_path / "cache"), "--set", "val_size=16", "--precision", "32"]
     for key, value in edge.items():
         cmd += ["--set", f"{key}={value}"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = run_train(cmd)
     assert done.returncode == 0, done.stderr[-2000:]

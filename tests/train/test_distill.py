@@ -100,13 +100,13 @@ def test_bad_teacher_is_one_line_before_any_data(tmp_path):
         "train.py: error: distill_weight must lie in [0, 1], got 1.5"]
 
 
-def test_a_real_run_learns_from_a_shipped_teacher(cifar_dir, tmp_path):
-    cmd = [sys.executable, "train.py", "--model", "vit_nano", "--set", "model_args.depth=1", "--data-dir",
+def test_a_real_run_learns_from_a_shipped_teacher(cifar_dir, tmp_path, run_train):
+    cmd = ["--model", "vit_nano", "--set", "model_args.depth=1", "--data-dir",
            str(cifar_dir), "--epochs", "1", "--max-train-images", "128", "--max-test-images", "32",
            "--limit-train-batches", "2", "--limit-val-batches", "1", "--batch-size", "32", "--set", "val_size=32",
            "--teacher", "pretrained:hybrid_tiny", "--distill", "soft", "--distill-temperature", "2",
            "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--precision", "32"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = run_train(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = (tmp_path / "vit_nano").iterdir()
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)

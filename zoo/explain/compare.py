@@ -52,9 +52,9 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
     leaderboard found in the run directory or in ``out``), accuracy_vs_throughput.png, and rollout_grid.png
     (the same test images' rollouts, or CBAM maps, across models). Reuses each run's summary.json and any
     metrics.json / benchmark.json / deletion.json found in the run directory; measures only what is missing
-    (inference images/s at ``batch_size`` with few repeats; deletion on ``deletion_images`` seeded test images; test top-1, if
-    neither summary.json nor metrics.json has it, on those same images only); params and FLOPs of a run without
-    them in summary.json (an unfinished one) are counted on its model. A run given twice -> ValueError;
+    (inference images/s at ``batch_size`` with few repeats; deletion on ``deletion_images`` seeded test images;
+    test top-1, if neither summary.json nor metrics.json has it, on those same images only); params and FLOPs
+    of a run without them in summary.json (an unfinished one) are counted on its model. A run given twice -> ValueError;
     rows are labelled by model and run id (by the run's path where two run ids are the same). ``device``: as
     ``evaluate_run``'s (None -> the GPU when there is one)."""
     out, run_dirs = Path(out), [Path(r) for r in run_dirs]
@@ -149,7 +149,8 @@ def _write_table(rows: list[dict], out: Path, batch_size: int) -> None:
     note = ("\nAccuracies are fractions of the test_images test images (the seeded subset a run was tested on, or "
             "that this comparison tested where the run has no test result; an unfinished run has none: its "
             "training did not reach the recipe's end). inference_images_per_s: no-grad forwards of "
-            f"{batch_size} random images (--batch-size), or the run's benchmark.json where it has one. Deletion AUC: area under top-1 vs fraction of 8x8 "
-            "patches blanked, most important first (lower = more faithful explanation). faithfulness_best: the best "
-            "method of the faithfulness.csv (eval.py --faithfulness) in the run directory or this folder.\n")
+            f"{batch_size} random images (--batch-size), or the run's benchmark.json where it has one. "
+            "Deletion AUC: area under top-1 vs fraction of 8x8 patches blanked, most important first (lower = "
+            "more faithful explanation). faithfulness_best: the best method of the faithfulness.csv "
+            "(eval.py --faithfulness) in the run directory or this folder.\n")
     atomic_write_text(out / "compare.md", "\n".join(lines) + "\n" + note)
