@@ -356,7 +356,7 @@ def test_compare_labels_runs_that_share_a_run_id(places, tmp_path):
     for copy in (first, second):
         shutil.copytree(places["run"], copy)
     assert eval_cli.main(["--compare", str(first), str(second), "--out", str(tmp_path / "compare"),
-                          "--deletion-images", "4", "--cache-dir", places["cache"]]) == 0
+                          "--deletion-images", "4", "--batch-size", "16", "--cache-dir", places["cache"]]) == 0
     labels = [line.split("|")[1].strip() for line in (tmp_path / "compare" / "compare.md").read_text().splitlines()
               if line.startswith("| vit_nano")]
     assert len(labels) == 2 and labels[0] != labels[1]
