@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zoo.explain.report import data_module_for
 from zoo.models import load_run
 from zoo.models.checkpoints import load_checkpoint
+from zoo.train.data.run_data import data_module_for
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ README_MACHINE = "amd-f26-m2"  # the one machine README's accuracy and speed col
 README_BEGIN = "<!-- results table: written by `python -m zoo.bench.report` from results/; edit those, not this -->"
 README_END = "<!-- end of results table -->"
 
+
 def compiled_step_section(results: list[dict]) -> list[str]:
     cols = [("model", "model"), ("batch", "batch"), ("eager_aten_ops", "eager step, aten ops"),
             ("compiled_aten_ops", "compiled step, aten ops"), ("ops_ratio", "eager / compiled"),

@@ -13,11 +13,12 @@ from ..atomic import atomic_write_csv, atomic_write_text
 from ..bench.timing import measure_inference
 from ..models.checkpoints import load_run
 from ..models.registry import model_info
+from ..train.data.run_data import data_module_for
 from ..train.device import eval_device
 from . import figures as viz
 from .faithfulness import deletion_test
 from .leaderboard import best_method, read_csv
-from .report import check_data_classes, check_out_dir, data_module_for, evaluate, spread_test_images
+from .report import check_data_classes, check_out_dir, evaluate, spread_test_images
 from .rollout import explain
 
 

@@ -26,12 +26,13 @@ import torch
 from ..atomic import atomic_write_text
 from ..models.checkpoints import load_run, load_shipped
 from ..train.data import ImageDataModule
+from ..train.data.run_data import data_module_for
 from ..train.device import eval_device
 from . import figures as viz
 from . import leaderboard as board
 from .methods import check_methods
 from .perturbation import FRACTIONS, METRICS, REMOVALS
-from .report import check_data_classes, check_out_dir, data_module_for
+from .report import check_data_classes, check_out_dir
 from .sanity import cascading_randomisation
 
 DEFAULT_REMOVALS = ("zero",)  # blur and mean each add about the time of zero, ROAD ~2.5x it: the full grid ~5x

@@ -31,6 +31,7 @@ from ..atomic import atomic_write_json, atomic_write_text
 from ..bench.results import machine_facts
 from ..bench.timing import measure_inference, measure_training
 from ..models.registry import model_info
+from ..train.data.run_data import data_module_for
 from ..train.device import eval_device
 from ..train.tta import REPORTED_TTA, TTA_NAMES, tta_logits
 from . import figures as viz
@@ -45,7 +46,7 @@ from .faithfulness_report import (
 )
 from .methods import BASELINES, applicable_methods, attribute
 from .progress import counted
-from .report import data_module_for, evaluate
+from .report import evaluate
 
 TTA = f"TTA: {TTA_NAMES[REPORTED_TTA]}"
 MODEL_COLUMNS = (("params", "parameters"), ("flops", "FLOPs / image"), ("num_images", "test images"),

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch.nn.functional as F
 
 from ..models.checkpoints import load_shipped
+from ..train.data.run_data import data_module_for
 from . import figures as viz
 from .faithfulness_report import balanced_test_images
 from .methods import attribute
-from .report import data_module_for
 
 # (shipped model, method) per row, in order; attnlrp is vit_nano's most faithful method, rollout hybrid_tiny's.
 ROWS = (("hybrid_tiny", "rollout"), ("hybrid_tiny", "attnlrp"), ("vit_nano", "rollout"), ("vit_nano", "attnlrp"))

@@ -23,6 +23,7 @@ from ..atomic import atomic_write_json, atomic_write_text
 from ..bench.timing import benchmark_model
 from ..models.checkpoints import load_run, load_shipped
 from ..train.data import DataError, ImageDataModule, data_class_names
+from ..train.data.run_data import data_module_for
 from ..train.device import eval_device
 from ..train.distributed import is_global_zero, open_process_group, rank_zero_first
 from . import figures as viz
@@ -67,27 +68,6 @@ def check_out_dir(out: str | Path) -> None:
                 raise ValueError(f"--out {out} lies inside the run directory {folder}: write elsewhere, or into "
                                  f"the run's own eval folder {own}")
             return
-
-
-def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int = 256,
-                    max_test_images: int | None = None, cache_dir: str | None = None) -> ImageDataModule:
-    """The test data a run was trained for: its config's data folder, image size, split and cache
-    (``data_dir`` / ``cache_dir`` override them), set up for testing; zoo.data.DataError when the data is not
-    there. The run's training cache is used when it exists; otherwise, when the run recorded its normalisation
-    (summary.json mean / std), only the test split is decoded."""
-    cfg, summary = meta.get("config") or {}, meta.get("summary") or {}
-    options = dict(download=False, img_size=cfg.get("img_size", 32), batch_size=batch_size,
-                   val_size=cfg.get("val_size", 5000), seed=cfg.get("seed", 0), device_cache="cpu",
-                   cache_dir=cache_dir if cache_dir is not None else cfg.get("cache_dir"),
-                   max_train_images=cfg.get("max_train_images"), max_test_images=max_test_images)
-    dm = ImageDataModule(data_dir if data_dir is not None else cfg.get("data_dir"), **options)
-    stats = summary.get("mean"), summary.get("std")
-    if None not in stats and not dm.cache_path(dm.source()).is_file():
-        dm = ImageDataModule(data_dir if data_dir is not None else cfg.get("data_dir"), splits=("test",), **options)
-        dm.use_normalization(*stats)
-    dm.prepare_data()
-    dm.setup("test")
-    return dm
 
 
 def progress(line: str) -> None:

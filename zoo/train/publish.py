@@ -26,6 +26,7 @@ from ..models.checkpoints import load_run
 from ..models.hub import HUB_README, hub_config, hub_readme
 from ..models.registry import HUB_CONFIG, HUB_WEIGHTS, WEIGHTS_DIR, model_info
 from .data import ImageDataModule
+from .data.run_data import data_module_for
 from .tta import REPORTED_TTA, tta_logits
 
 EVAL_BATCH = 500
@@ -48,21 +49,6 @@ def test_accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, 
         x = (images[start:start + EVAL_BATCH].float() / 255 - mean) / std
         correct += (tta_logits(model, x, tta).argmax(1) == labels[start:start + EVAL_BATCH]).sum().item()
     return correct / len(labels)
-
-
-def test_split(data_dir: str | Path, cache_dir: str | Path | None = None, max_test_images: int | None = None,
-               normalization: tuple[list[float], list[float]] | None = None) -> ImageDataModule:
-    """The data module of ``data_dir``'s test split (cached uint8 images), set up. ``normalization``: the run's
-    (mean, std), as its summary.json records them; with them only the test split is decoded, without them the
-    train split too (its channel statistics normalise)."""
-    splits = ("train", "test") if normalization is None else ("test",)
-    dm = ImageDataModule(data_dir, cache_dir=cache_dir, device_cache="cpu", max_test_images=max_test_images,
-                         splits=splits)
-    if normalization is not None:
-        dm.use_normalization(*normalization)
-    dm.prepare_data()
-    dm.setup("test")
-    return dm
 
 
 def build_card(model: nn.Module, meta: dict, dm: ImageDataModule, command: str) -> dict:
@@ -126,8 +112,7 @@ def publish_run(run_dir: str | Path, out_dir: str | Path, *, data_dir: str | Pat
     if data_dir is None:
         raise ValueError(f"{run_dir} records no data folder: pass data_dir")
     command = command or f"python train.py --config {Path(meta['ckpt_path']).parents[1] / 'config.yaml'}"
-    stats = meta["summary"].get("mean"), meta["summary"].get("std")
-    dm = test_split(data_dir, cache_dir, max_test_images, None if None in stats else stats)
+    dm = data_module_for(meta, data_dir=data_dir, cache_dir=cache_dir, max_test_images=max_test_images)
     card = build_card(model, meta, dm, command)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     blob = save(state, metadata={"model": card["model"], "format": "pt"})
