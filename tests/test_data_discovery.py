@@ -62,6 +62,7 @@ def test_zoo_data_dir_without_cifar10_fails_even_when_a_default_place_has_it(con
         conftest.require_cifar10()
 
 
+@pytest.mark.slow  # pytest in a subprocess; the default suite tests require_cifar10's error in-process above
 def test_a_data_test_run_with_an_empty_zoo_data_dir_fails_naming_it(tmp_path):
     """End to end: pytest itself, on a real data-needing test, reports the error instead of skipping."""
     env = {**os.environ, "ZOO_DATA_DIR": str(tmp_path),

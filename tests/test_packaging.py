@@ -64,6 +64,22 @@ def stub_wheel(folder: Path, name: str, version: str) -> None:
         whl.writestr(f"{dist}.dist-info/RECORD", "")
 
 
+def test_the_package_data_patterns_hold_every_recipe_and_shipped_weight():
+    """The wheel carries zoo/configs/*.yaml and the shipped weights' Hub folders (what zoo-train and
+    pretrained=True read from an installed package): every such file matches one of setuptools' package-data
+    patterns (globs relative to the package). The wheel built and installed: tests/cli/test_install.py (slow)."""
+    from fnmatch import fnmatch
+
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["zoo"]
+    package = REPO / "zoo"
+    needed = [p for folder in ("configs", "weights") for p in (package / folder).rglob("*")
+              if p.is_file() and "__pycache__" not in p.parts]
+    assert any(p.suffix == ".yaml" for p in needed) and any(p.name == "model.safetensors" for p in needed)
+    missing = [str(p.relative_to(package)) for p in needed
+               if not any(fnmatch(str(p.relative_to(package)), pattern) for pattern in patterns)]
+    assert not missing, f"not in the wheel: {missing}"
+
+
 @pytest.mark.slow
 def test_pip_keeps_a_newer_torch_already_installed(tmp_path):
     stubs, src, venv = tmp_path / "stubs", tmp_path / "src", tmp_path / "venv"

@@ -248,21 +248,26 @@ def test_at_least_forty_kinds_of_bad_cli_input():
 # ---------------------------------------------------------------------------------------------- from the shell
 
 # The programs as a shell runs them (``sys.exit(main())``, a fresh interpreter): one argument error, one found after
-# the data are read, one of eval.py's; every case here has an in-process twin above, which covers the messages.
+# the data are read, one of eval.py's; every case here has an in-process twin above, which covers the messages. The
+# cases that read data run under -m slow (each a fresh interpreter that imports Lightning and decodes).
 SHELL_CASES = [
-    ("train epochs abc", "train.py", ["--model", "vit_nano", "--epochs", "abc"], r"invalid int value: 'abc'"),
-    ("train resume other classes", "train.py", ["--config", "{run}/config.yaml", "--resume", "{run}", "--data-dir",
-                                                "{two}", "--cache-dir", "{cache}"],
-     r"the run has 10 classes, the data has 2"),  # the run's own recipe on other data, as its in-process twin
-    ("eval other classes into the run", "eval.py", ["--checkpoint", "{run}", "--data-dir", "{two}", "--out", "{run}"],
-     r"the run was trained on"),
+    pytest.param("train epochs abc", "train.py", ["--model", "vit_nano", "--epochs", "abc"],
+                 r"invalid int value: 'abc'", id="train epochs abc"),
+    pytest.param("train resume other classes", "train.py", ["--config", "{run}/config.yaml", "--resume", "{run}",
+                                                            "--data-dir", "{two}", "--cache-dir", "{cache}"],
+                 r"the run has 10 classes, the data has 2",  # the run's own recipe on other data, as its twin
+                 id="train resume other classes", marks=pytest.mark.slow),
+    pytest.param("eval other classes into the run", "eval.py", ["--checkpoint", "{run}", "--data-dir", "{two}",
+                                                                "--out", "{run}"],
+                 r"the run was trained on", id="eval other classes into the run", marks=pytest.mark.slow),
 ]
 if not torch.cuda.is_available():
-    SHELL_CASES.append(("eval cuda without a GPU", "eval.py", ["--checkpoint", "{run}", "--device", "cuda",
-                                                               "--out", "{tmp}/e"], r"no CUDA GPU is visible"))
+    SHELL_CASES.append(pytest.param("eval cuda without a GPU", "eval.py", ["--checkpoint", "{run}", "--device",
+                                                                           "cuda", "--out", "{tmp}/e"],
+                                    r"no CUDA GPU is visible", id="eval cuda without a GPU"))
 
 
-@pytest.mark.parametrize("what, program, args, match", SHELL_CASES, ids=[c[0] for c in SHELL_CASES])
+@pytest.mark.parametrize("what, program, args, match", SHELL_CASES)
 def test_from_the_shell(what, program, args, match, places):
     before = snapshot(Path(places["runs"]))
     done = subprocess.run([sys.executable, program, *fill(args, places)], cwd=REPO, capture_output=True, text=True,

@@ -140,6 +140,10 @@ def test_faithfulness_leaderboard(tiny_run, tmp_path, capsys):
     assert "| method | head | norm | blocks.5 |" in md
     for name in ("faithfulness_curves_vit_nano.png", "faithfulness_maps_vit_nano.png"):
         assert (out / name).stat().st_size > 10_000
+
+
+@pytest.mark.slow  # a second report; the default suite's board is the one above
+def test_faithfulness_full_grid(tiny_run, tmp_path):
     full = _faithfulness(tiny_run, tmp_path / "full", "--faithfulness-images", "4", "--full-grid",
                          "--absolute-scale", "--methods", "rollout,attnlrp")
     assert {(r["method"], r["removal"], r["metric"]) for r in full} == {
@@ -156,7 +160,8 @@ def test_faithfulness_refuses_a_method_that_does_not_apply(tiny_run, tmp_path, c
     assert not (tmp_path / "f").exists()
 
 
-@pytest.mark.parametrize("name", shipped_models())
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "hybrid_tiny" else pytest.mark.slow)
+                                  for name in shipped_models()])  # the default suite: one; every one under -m slow
 def test_eval_pretrained_needs_no_run(name, cifar_dir, tmp_path, capsys):
     out = tmp_path / "eval"
     assert eval_cli.main(["--pretrained", name, "--data-dir", str(cifar_dir), "--out", str(out),
@@ -176,6 +181,7 @@ def test_most_confused_pairs():
     ]
 
 
+@pytest.mark.slow  # trains a CNN first; the default suite compares two attention runs (test_compare_two_runs)
 def test_a_model_without_attention_is_compared_beside_the_attention_models(tiny_run, cifar_dir, tmp_path, capsys):
     """A CNN has no attention to roll out: the comparison still writes its table and grid (its row: no map)."""
     spec = importlib.util.spec_from_file_location("train_cli", REPO / "train.py")

@@ -92,6 +92,7 @@ def test_first_screen_says_size_plan_and_time_without_library_noise(image_tree, 
     assert "run left=" in screen  # the progress bar shows the whole run's time left
 
 
+@pytest.mark.slow  # two subprocess runs; the default suite keeps the main command's first screen and the bar's tests
 def test_the_cpu_recipe_and_its_resume_show_the_runs_steps_without_library_noise(image_tree, tmp_path):
     """The README's CPU command on a tiny subset (compilation off: seconds, not minutes), then --resume auto with
     more epochs: one plan line before the first step, the bar's total the run's steps (and after the resume, from

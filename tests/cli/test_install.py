@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
 import yaml
 
 from zoo.train.recipe import Recipe
@@ -40,6 +41,7 @@ def build_and_install(tmp_path: Path) -> Path:
     return site
 
 
+@pytest.mark.slow  # a fresh virtual environment and a wheel build: half a minute on 2 CPU cores
 def test_wheel_installs_and_zoo_train_uses_the_packaged_recipe(cifar_dir, tmp_path):
     site = build_and_install(tmp_path)
     work = tmp_path / "work"

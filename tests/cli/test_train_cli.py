@@ -39,7 +39,12 @@ def run_main(args, capsys):
     return code, out, err
 
 
-@pytest.mark.parametrize("name", zoo.list_models())
+# the default suite: one model of each family (ViT, hybrid, ResNet) and the README's; the rest under -m slow
+SMOKE_DEFAULT = ("vit_nano", "vit_tiny", "hybrid_tiny", "resnet18")
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in SMOKE_DEFAULT else pytest.mark.slow)
+                                  for name in zoo.list_models()])
 def test_smoke_run_per_model(name, slice_args, tmp_path, capsys):
     code, out, err = run_main(["--model", name, "--out", str(tmp_path), *slice_args], capsys)
     assert code == 0, err[-2000:]

@@ -44,6 +44,7 @@ def cells(dom: str) -> dict[str, float]:
     return {html.unescape(k): float(v) for k, v in found}
 
 
+@pytest.mark.slow  # a report and a headless browser; the default suite checks the page's text and figures below
 def test_report_renders_in_chromium_with_the_files_numbers(cifar_dir, tmp_path):
     browser = chromium()
     if browser is None:

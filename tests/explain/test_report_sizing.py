@@ -84,6 +84,7 @@ def test_report_is_sized_by_its_flags_and_counts_each_pass_on_a_pipe(tree, tmp_p
     assert "top-1, TTA: mirror + one-pixel shifts" in page
 
 
+@pytest.mark.slow  # a second report; the default suite's is the one above
 def test_a_one_image_test_subset_gives_a_report(tree, tmp_path):
     """--max-test-images 1: the accuracy pass on one seeded test image (not of the first class), which the
     figures show instead of asking for the first class's image and explaining none (was 'cannot reshape tensor of

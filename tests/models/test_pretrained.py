@@ -62,7 +62,8 @@ def test_models_without_weights_say_so():
         timm.create_model("zoo_vit_tiny", pretrained=True)
 
 
-@pytest.mark.parametrize("name", shipped_models())
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "hybrid_tiny" else pytest.mark.slow)
+                                  for name in shipped_models()])  # the default suite: one; every one under -m slow
 def test_shipped_weights_match_their_model_card(name, spread_test_images):
     card = model_card(name)
     ours = zoo.create_model(name, pretrained=True).eval()

@@ -20,6 +20,10 @@ import zoo
 
 MODELS = zoo.list_models()
 SIZE = 32
+# tracing and exporting take a second or more a model: the default suite does it for one of each family (ViT, local
+# ViT, hybrid with CBAM, ResNet) and every model under -m slow
+TRACED = [pytest.param(name, marks=() if name in ("vit_nano", "vit_local_tiny", "hybrid_tiny", "resnet18")
+                       else pytest.mark.slow) for name in MODELS]
 
 
 def is_token_model(name: str) -> bool:
@@ -159,7 +163,7 @@ def test_token_intermediates_formats_indices_and_pruning(name):
         model.forward_intermediates(x, output_fmt="NHWC")
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", TRACED)
 def test_fx_trace_equals_eager_bit_for_bit(name):
     model = zoo.create_model(name).eval()
     x = images()
@@ -172,7 +176,7 @@ def test_fx_trace_equals_eager_bit_for_bit(name):
     assert num_params(traced) == num_params(extractor) == num_params(model)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", TRACED)
 def test_fx_backward_reaches_every_parameter(name):
     model = zoo.create_model(name, num_classes=42).train()
     count = num_params(model)
@@ -190,7 +194,7 @@ def test_traced_resnet18_cbam_keeps_the_cbam_parameters():
     assert num_params(model) == 11_278_202
 
 
-@pytest.mark.parametrize("name", MODELS)  # about a second each at this size
+@pytest.mark.parametrize("name", TRACED)  # about a second each at this size
 def test_torch_export_matches_eager(name):
     model = zoo.create_model(name).eval()
     x = images(2)

@@ -246,6 +246,7 @@ def test_the_compile_cache_folder_is_one_per_torch_device_and_settings(tmp_path,
     assert use_compile_cache(folder) == tmp_path / "mine"
 
 
+@pytest.mark.slow  # a minute on 2 CPU cores; the default suite keeps the cache folder's key and one-process compiles
 def test_a_second_process_loads_the_compiled_step_from_the_cache(cifar_dir, tmp_path):
     """train.py --compile step twice on the machine (two processes, one user cache folder): the first compiles
     and says so, the second loads every graph from the cache folder (Inductor's hits, no miss); summary.json

@@ -21,6 +21,7 @@ import torchvision
 from lightning.pytorch import LightningModule, Trainer
 from PIL import Image
 
+import zoo.train.data.cache
 import zoo.train.data.decode
 from zoo.bench import measure_throughput
 from zoo.bench.dispatch import OpRecorder
@@ -300,6 +301,24 @@ def test_second_setup_reads_the_cache_without_decoding(tmp_path, decode_calls):
     assert len(decode_calls) == 24
     assert torch.equal(second.test_dataset.images, first.test_dataset.images)
     assert cache_files(tmp_path) == [cache]
+
+
+def test_a_module_validates_the_files_once_and_a_new_module_again(tmp_path, monkeypatch):
+    """Lightning calls prepare_data before fit and again before test: the files are fingerprinted (a stat of each:
+    half a second for 60,000) once per module; a new module (the next run) fingerprints them again."""
+    write_imagefolder(tmp_path / "data")
+    fingerprinted = []
+    real = zoo.train.data.cache.data_fingerprint
+    monkeypatch.setattr(zoo.train.data.cache, "data_fingerprint",
+                        lambda *args: fingerprinted.append(args) or real(*args))
+    dm = make(tmp_path / "data", tmp_path)
+    dm.prepare_data()
+    dm.setup("fit")
+    dm.prepare_data()  # as Lightning's fit and test do
+    dm.setup("test")
+    assert len(fingerprinted) == 1
+    make(tmp_path / "data", tmp_path).prepare_data()
+    assert len(fingerprinted) == 2
 
 
 def listing(root: Path) -> list[tuple[str, int]]:

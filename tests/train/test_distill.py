@@ -5,8 +5,6 @@ the teacher stays frozen and out of the student's checkpoint. A teacher that can
 line before any data is decoded; a real run with a shipped teacher trains and tests."""
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -92,10 +90,9 @@ def test_shipped_teacher_is_frozen():
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
 
 
-def test_bad_teacher_is_one_line_before_any_data(tmp_path):
-    done = subprocess.run([sys.executable, "train.py", "--model", "vit_nano", "--teacher", "pretrained:hybrid_tiny",
-                           "--distill-weight", "1.5", "--data-dir", str(tmp_path / "none"), "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_bad_teacher_is_one_line_before_any_data(tmp_path, run_train):
+    done = run_train(["--model", "vit_nano", "--teacher", "pretrained:hybrid_tiny", "--distill-weight", "1.5",
+                      "--data-dir", str(tmp_path / "none"), "--out", str(tmp_path)], cwd=REPO)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "train.py: error: distill_weight must lie in [0, 1], got 1.5"]
 

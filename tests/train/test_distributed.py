@@ -163,6 +163,7 @@ def test_two_minute_ddp_runs_end_together_five_times(cifar_dir, tmp_path):
         assert json.loads((run_dir / "summary.json").read_text())["global_step"] == rank0["global_step"]
 
 
+@pytest.mark.slow  # the default suite's real DDP run of train.py is torchrun's, below
 def test_one_process_and_two_slurm_tasks_run_the_same_steps_and_learning_rates(cifar_dir, tmp_path):
     """batch_size 32 is the global batch: 160 training images give 160 // 32 = 5 steps per epoch on one process
     and on two tasks started as srun would (SLURM_* variables, no launcher of Lightning's), with the same
@@ -198,6 +199,7 @@ def test_one_process_and_two_slurm_tasks_run_the_same_steps_and_learning_rates(c
     assert [s for s, _ in single["steps"]] == list(range(1, 2 * expected_steps + 1))
 
 
+@pytest.mark.slow  # the default suite's small form: a failure on rank 0 reaching every rank, below
 def test_a_nan_loss_on_one_rank_stops_every_rank(cifar_dir, tmp_path):
     """Rank 1 alone flags a non-finite loss at step 3: both ranks stop at the next check with the error (exit 1),
     rather than rank 0 waiting in an all-reduce rank 1 never joins."""
@@ -213,7 +215,10 @@ def test_a_nan_loss_on_one_rank_stops_every_rank(cifar_dir, tmp_path):
     assert not list(record.glob("rank*.json"))  # neither rank finished training
 
 
-def test_torchrun_two_processes_share_one_resumable_run(cifar_dir, tmp_path):
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["one-part", "resumed"])
+def test_torchrun_two_processes_share_one_resumable_run(cifar_dir, tmp_path, resume):
+    """The default suite's real DDP run of train.py (torchrun, 2 CPU processes): one run directory, which rank 0
+    alone writes; resumed (-m slow), both ranks continue at the next step with the same learning rates."""
     record = tmp_path / "record"
     record.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
@@ -226,6 +231,10 @@ def test_torchrun_two_processes_share_one_resumable_run(cifar_dir, tmp_path):
     written = (record / "writes-rank0.txt").read_text().split()
     assert written.count("config.yaml") == written.count("summary.json") == 1 and "last.ckpt" in written
     assert not (record / "writes-rank1.txt").exists()
+    rank0, rank1 = records(record, 2)
+    assert [s for s, _ in rank0["steps"]] == list(range(1, 6)) and rank0["steps"] == rank1["steps"]
+    if not resume:
+        return
     torchrun[6] = str(free_port())
     run([*torchrun, *args, "--epochs", "2", "--resume", "auto"], clean_env(record), tmp_path)
     assert [p.name for p in (tmp_path / "runs" / "vit_nano").iterdir()] == [run_dir.name]
@@ -236,11 +245,12 @@ def test_torchrun_two_processes_share_one_resumable_run(cifar_dir, tmp_path):
 
 # ----------------------------------------------------------------------------------------- exact evaluation
 
-@pytest.mark.parametrize("n", [301, pytest.param(10_000, marks=pytest.mark.slow)])
-def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, tmp_path, n):
+@pytest.mark.parametrize("n, world", [(301, 1), pytest.param(301, 3, marks=pytest.mark.slow),
+                                      pytest.param(10_000, 3, marks=pytest.mark.slow)])
+def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, tmp_path, n, world):
     """301 test images (or all 10,000) do not divide among 3 processes (a padding sampler would count 303 or
     10,002); Lightning's logged top-1 / top-5 / loss and eval.py's metrics.json equal a plain single-process loop
-    over the images, on 1 process and on 3 (torchrun)."""
+    over the images, on 1 process and (world 3) also on 3 (torchrun)."""
     from zoo.explain.cli import main as eval_main
     from zoo.train.data import ImageDataModule
     from zoo.train.module import ImageClassifier
@@ -261,20 +271,24 @@ def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, 
     assert eval_main(["--checkpoint", str(ckpt), "--data-dir", str(cifar_dir), "--max-test-images", str(n),
                       "--cache-dir", str(tmp_path / "ref-cache"), "--device", "cpu",
                       "--out", str(tmp_path / "eval1")]) == 0
-    record = tmp_path / "record"
-    record.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
-           str(DRIVER), "test", str(ckpt), str(cifar_dir), str(n), "3", str(tmp_path / "ref-cache")]
-    run(cmd, clean_env(record), tmp_path)
-    three = json.loads((record / "test.json").read_text())
-    for results in (one, three):
+    found, folders = [one], [tmp_path / "eval1"]
+    if world == 3:
+        record = tmp_path / "record"
+        record.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+               str(free_port()), str(DRIVER), "test", str(ckpt), str(cifar_dir), str(n), "3",
+               str(tmp_path / "ref-cache")]
+        run(cmd, clean_env(record), tmp_path)
+        found.append(json.loads((record / "test.json").read_text()))
+        folders.append(record / "eval")
+    for results in found:
         assert round(results["test/top1"] * n) == top1 and abs(results["test/top1"] - top1 / n) < 1e-6
         assert round(results["test/top5"] * n) == top5 and abs(results["test/top5"] - top5 / n) < 1e-6
         assert results["test/loss"] == pytest.approx(loss, rel=1e-5)
     plain_loss = float(F.cross_entropy(logits, labels))
     confusion = torch.zeros(10, 10, dtype=torch.long).index_put_((labels, logits.argmax(1)), torch.tensor(1),
                                                                  accumulate=True)
-    for folder in (tmp_path / "eval1", record / "eval"):
+    for folder in folders:
         metrics = json.loads((folder / "metrics.json").read_text())
         assert metrics["num_images"] == n and metrics["test_top1"] == top1 / n and metrics["test_top5"] == top5 / n
         assert metrics["test_cross_entropy"] == pytest.approx(plain_loss, rel=1e-5)
@@ -343,6 +357,7 @@ for make in (missing, unreadable):
 """
 
 
+@pytest.mark.slow  # the default suite's small form: a failure on rank 0 reaching every rank, above
 def test_each_machine_builds_its_data_once_and_a_failed_build_stops_every_rank(tmp_path):
     """Three torchrun processes on two machines without a shared disk (rank 0 alone, ranks 1 and 2 together): rank 0
     builds, then the first process of the other machine, then the rest, which find its copy; a ValueError on the

@@ -54,6 +54,7 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 @pytest.mark.skipif(host_memory.glibc() is None, reason="glibc's malloc only")
+@pytest.mark.slow  # a subprocess that trains; the default suite checks the thresholds set and the switch above
 def test_later_steps_reuse_freed_pages_instead_of_faulting_in_new_ones():
     def faults(switch: str) -> tuple[str, int]:
         env = {**os.environ, host_memory.KEEP_FREED_MEMORY_ENV: switch}

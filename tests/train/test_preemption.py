@@ -131,10 +131,13 @@ def _assert_same(resumed: dict, reference: dict) -> None:
         torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=0, msg=key)
 
 
+# the default suite: one case of each kind of stop; the other signals and places under -m slow
 @pytest.mark.parametrize(("signum", "step", "hook"), [
-    (signal.SIGTERM, 2, None), (signal.SIGINT, 5, None), (signal.SIGTERM, 4, None),
-    (signal.SIGTERM, 4, "on_validation_batch_start")],
-    ids=["sigterm-mid-epoch0", "sigint-mid-epoch1", "sigterm-last-step-of-epoch0", "sigterm-in-validation-of-epoch0"])
+    pytest.param(signal.SIGTERM, 2, None, id="sigterm-mid-epoch0"),
+    pytest.param(signal.SIGINT, 5, None, id="sigint-mid-epoch1"),
+    pytest.param(signal.SIGTERM, 4, None, id="sigterm-last-step-of-epoch0", marks=pytest.mark.slow),
+    pytest.param(signal.SIGTERM, 4, "on_validation_batch_start", id="sigterm-in-validation-of-epoch0",
+                 marks=pytest.mark.slow)])
 def test_signal_saves_at_the_step_and_resume_equals_the_uninterrupted_run(
         argv, tmp_path, monkeypatch, capsys, uninterrupted, reference_run, signum, step, hook):
     """Stopped and resumed, the run ends with the reference's weights and metrics.csv; right after the stop
@@ -159,7 +162,8 @@ def test_signal_saves_at_the_step_and_resume_equals_the_uninterrupted_run(
     _same_rows(run, reference_run)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["sigterm", "sigusr1"])
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGTERM, id="sigterm"),
+                                    pytest.param(signal.SIGUSR1, id="sigusr1", marks=pytest.mark.slow)])
 def test_the_same_signal_twice_in_training_stops_once_at_the_step(argv, tmp_path, monkeypatch, capsys, uninterrupted,
                                                                   signum):
     """A scheduler that repeats its SIGTERM (or SIGUSR1) before the step ends: the second is ignored; one
@@ -174,8 +178,9 @@ def test_the_same_signal_twice_in_training_stops_once_at_the_step(argv, tmp_path
 
 
 @pytest.mark.parametrize(("signums", "write", "code"), [
-    ([signal.SIGTERM], 1, 143), ([signal.SIGUSR1], 1, 138), ([signal.SIGINT, signal.SIGINT], 2, 130)],
-    ids=["sigterm", "sigusr1", "ctrl-c-twice"])
+    pytest.param([signal.SIGTERM], 1, 143, id="sigterm", marks=pytest.mark.slow),
+    pytest.param([signal.SIGUSR1], 1, 138, id="sigusr1", marks=pytest.mark.slow),
+    pytest.param([signal.SIGINT, signal.SIGINT], 2, 130, id="ctrl-c-twice")])
 def test_a_signal_while_a_checkpoint_is_written_keeps_a_whole_one_and_resumes_exactly(
         argv, tmp_path, monkeypatch, capsys, uninterrupted, reference_run, signums, write, code):
     """The signals arrive inside the ``write``-th write of last.ckpt (every 2 steps here), its bytes in the temp
@@ -211,7 +216,8 @@ def test_a_signal_while_a_checkpoint_is_written_keeps_a_whole_one_and_resumes_ex
     _same_rows(run, reference_run)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGTERM, id="sigterm", marks=pytest.mark.slow),
+                                    pytest.param(signal.SIGINT, id="ctrl-c")])
 def test_a_signal_during_the_final_test_exits_128_plus_it_and_resume_tests(
         argv, tmp_path, monkeypatch, capsys, reference_run, signum):
     """Lightning exited 0 on SIGTERM during the test (no line, no summary.json) and 1 on Ctrl-C: 143 / 130 with one

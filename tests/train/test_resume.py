@@ -83,7 +83,8 @@ def test_a_resume_of_a_finished_run_keeps_its_results(base_args, tmp_path, run_t
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["resume"] is None  # the recipe, not the action
 
 
-@pytest.mark.parametrize("compile", [[], pytest.param(["--compile", "step"], marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default suite's real DDP run: test_distributed's torchrun run, which also resumes
+@pytest.mark.parametrize("compile", [[], ["--compile", "step"]])
 def test_ddp_two_cpu_processes_leave_one_run(base_args, tmp_path, compile):
     cmd = [*base_args, "--epochs", "1", "--limit-train-batches", "2", "--accelerator", "cpu",
            "--devices", "2", "--strategy", "ddp", *compile]  # compile step: each rank compiles its training step

@@ -52,6 +52,7 @@ def test_a_dead_holders_lock_is_taken_over_with_one_line(tmp_path, capsys):
     assert "taking over" not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a resume beside a holding process; the default suite keeps the lock's refusal above
 def test_resume_of_a_run_another_process_holds_exits_2_in_one_line(tiny_run, cifar_dir, tmp_path, capsys):
     run = tmp_path / "runs" / "vit_nano" / tiny_run.name
     shutil.copytree(tiny_run, run)

@@ -197,8 +197,9 @@ class ImageDataModule(pl.LightningDataModule):
         return {"train": self.max_train_images if "train" in self.splits else 0, "test": self.max_test_images}
 
     def prepare_data(self) -> None:
-        """Find the data (downloading CIFAR-10 only where allowed) and build or validate the uint8 cache."""
-        self._cache = self._load_or_build()
+        """Find the data (downloading CIFAR-10 only where allowed) and build or validate the uint8 cache, once per
+        module: Lightning calls this again before fit and test, and validating stats every data file."""
+        self._cache = self._cache if self._cache is not None else self._load_or_build()
 
     @property
     def num_test_images(self) -> int:
