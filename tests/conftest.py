@@ -19,6 +19,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+def slow_except(values, keep) -> list:
+    """``values`` as pytest params for a check repeated per model: those in ``keep`` run in the default suite
+    (its small form), the others under ``-m slow``."""
+    return [pytest.param(value, marks=() if value in keep else pytest.mark.slow) for value in values]
+
+
 def write_image_tree(root: Path, size: int, counts=(("train", 8), ("test", 2)), classes: int = 10) -> Path:
     """train/ and test/ ImageFolder trees of random ``size`` x ``size`` PNGs (seeded), ``classes`` classes."""
     import numpy as np

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import slow_except
 
 from zoo.explain.report import most_confused
 from zoo.models import model_card, shipped_models
@@ -160,8 +161,7 @@ def test_faithfulness_refuses_a_method_that_does_not_apply(tiny_run, tmp_path, c
     assert not (tmp_path / "f").exists()
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "hybrid_tiny" else pytest.mark.slow)
-                                  for name in shipped_models()])  # the default suite: one; every one under -m slow
+@pytest.mark.parametrize("name", slow_except(shipped_models(), ("hybrid_tiny",)))
 def test_eval_pretrained_needs_no_run(name, cifar_dir, tmp_path, capsys):
     out = tmp_path / "eval"
     assert eval_cli.main(["--pretrained", name, "--data-dir", str(cifar_dir), "--out", str(out),

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import slow_except
 
 import zoo
 from zoo.train.device import cpu_has_native_bf16
@@ -40,11 +41,7 @@ def run_main(args, capsys):
 
 
 # the default suite: one model of each family (ViT, hybrid, ResNet) and the README's; the rest under -m slow
-SMOKE_DEFAULT = ("vit_nano", "vit_tiny", "hybrid_tiny", "resnet18")
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in SMOKE_DEFAULT else pytest.mark.slow)
-                                  for name in zoo.list_models()])
+@pytest.mark.parametrize("name", slow_except(zoo.list_models(), ("vit_nano", "vit_tiny", "hybrid_tiny", "resnet18")))
 def test_smoke_run_per_model(name, slice_args, tmp_path, capsys):
     code, out, err = run_main(["--model", name, "--out", str(tmp_path), *slice_args], capsys)
     assert code == 0, err[-2000:]

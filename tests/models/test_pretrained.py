@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+from conftest import slow_except
 from safetensors.torch import save_file
 from timm.data import resolve_model_data_config
 
@@ -62,8 +63,7 @@ def test_models_without_weights_say_so():
         timm.create_model("zoo_vit_tiny", pretrained=True)
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == "hybrid_tiny" else pytest.mark.slow)
-                                  for name in shipped_models()])  # the default suite: one; every one under -m slow
+@pytest.mark.parametrize("name", slow_except(shipped_models(), ("hybrid_tiny",)))
 def test_shipped_weights_match_their_model_card(name, spread_test_images):
     card = model_card(name)
     ours = zoo.create_model(name, pretrained=True).eval()

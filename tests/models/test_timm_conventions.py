@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+from conftest import slow_except
 from timm.models import get_notrace_functions, get_notrace_modules
 from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
@@ -22,8 +23,7 @@ MODELS = zoo.list_models()
 SIZE = 32
 # tracing and exporting take a second or more a model: the default suite does it for one of each family (ViT, local
 # ViT, hybrid with CBAM, ResNet) and every model under -m slow
-TRACED = [pytest.param(name, marks=() if name in ("vit_nano", "vit_local_tiny", "hybrid_tiny", "resnet18")
-                       else pytest.mark.slow) for name in MODELS]
+TRACED = slow_except(MODELS, ("vit_nano", "vit_local_tiny", "hybrid_tiny", "resnet18"))
 
 
 def is_token_model(name: str) -> bool:
