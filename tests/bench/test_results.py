@@ -203,6 +203,8 @@ def test_a_recorded_command_names_placeholders_not_the_machines_folders(monkeypa
     argv = ["--data-dir", "/home/me/cifar10", "--out=/tmp/x y", "--seeds", "0", "--cache-dir", "c", "--set", "out=1"]
     assert results.command_line("zoo.bench.ablation", argv) == (
         "python -m zoo.bench.ablation --data-dir DATA --out=OUT --seeds 0 --cache-dir CACHE --set out=1")
+    assert results.command_line("zoo.bench.anchor", ["--anchor", "../anchors/airbench94_cpu", "--seeds", "0"]) == (
+        "python -m zoo.bench.anchor --anchor ANCHOR_DIR --seeds 0")
 
 
 def test_significant_rounds_every_float_to_four_digits_and_leaves_the_rest():

@@ -113,7 +113,7 @@ def versions() -> dict:
 
 
 # path flags whose values are written as placeholders: a record names no folder of the machine it ran on
-PATH_PLACEHOLDERS = {"--data-dir": "DATA", "--out": "OUT", "--cache-dir": "CACHE"}
+PATH_PLACEHOLDERS = {"--data-dir": "DATA", "--out": "OUT", "--cache-dir": "CACHE", "--anchor": "ANCHOR_DIR"}
 
 
 def command_line(module: str, argv=None) -> str:
