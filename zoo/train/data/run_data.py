@@ -17,10 +17,11 @@ def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int 
                    val_size=cfg.get("val_size", 5000), seed=cfg.get("seed", 0), device_cache="cpu",
                    cache_dir=cache_dir if cache_dir is not None else cfg.get("cache_dir"),
                    max_train_images=cfg.get("max_train_images"), max_test_images=max_test_images)
-    dm = ImageDataModule(data_dir if data_dir is not None else cfg.get("data_dir"), **options)
+    folder = data_dir if data_dir is not None else cfg.get("data_dir")
+    dm = ImageDataModule(folder, **options)
     stats = summary.get("mean"), summary.get("std")
     if None not in stats and not dm.cache_path(dm.source()).is_file():
-        dm = ImageDataModule(data_dir if data_dir is not None else cfg.get("data_dir"), splits=("test",), **options)
+        dm = ImageDataModule(folder, splits=("test",), **options)
         dm.use_normalization(*stats)
     dm.prepare_data()
     dm.setup("test")
