@@ -68,7 +68,7 @@ def test_a_data_test_run_with_an_empty_zoo_data_dir_fails_naming_it(tmp_path):
     env = {**os.environ, "ZOO_DATA_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     test = "tests/train/test_learning.py::test_max_time_fits_the_schedule_and_still_tests"  # in the default suite
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", test], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout[-3000:]
     assert f"ZOO_DATA_DIR={tmp_path} holds no CIFAR-10" in done.stdout and "1 error" in done.stdout

@@ -42,7 +42,7 @@ def test_every_dependency_bound_says_why():
 
 def test_the_dev_extra_holds_the_test_dependencies():
     dev = {Requirement(line).name for line in PROJECT["optional-dependencies"]["dev"]}
-    assert {"pytest", "hypothesis", "ruff", "grad-cam", "tensorboard", "captum", "lxt"} <= dev
+    assert {"pytest", "pytest-xdist", "hypothesis", "ruff", "grad-cam", "tensorboard", "captum", "lxt"} <= dev
     explain = {Requirement(line).name for line in PROJECT["optional-dependencies"]["explain"]}
     assert explain == {"captum"}
 
