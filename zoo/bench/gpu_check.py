@@ -87,8 +87,9 @@ CUDA_TEST_FILES = ("tests/gpu/test_cuda.py", "tests/train/test_randaugment.py")
 def cuda_tests(out: Path, timeout: float = 900) -> dict:
     """``pytest -m cuda`` over ``CUDA_TEST_FILES``; counts from its closing line. Without a GPU every test skips
     (the dry run checks that they are collected and importable)."""
-    done = _run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *CUDA_TEST_FILES],
-                out / "cuda_tests.log", timeout)
+    # -n 0: one process, as the GPU is one device (workers would share its memory and its timings)
+    done = _run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-n", "0", "-p", "no:cacheprovider",
+                 *CUDA_TEST_FILES], out / "cuda_tests.log", timeout)
     last = next(line for line in reversed(done.stdout.splitlines()) if " in " in line and line.strip())
     counts = {word: int(n) for n, word in
               (part.strip().split()[:2] for part in last.split(" in ")[0].split(",")) if n.isdigit()}
