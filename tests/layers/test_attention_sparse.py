@@ -242,6 +242,17 @@ def test_flex_forward_equals_math_on_the_cpu():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_flex_is_right_for_key_counts_that_torchs_cpu_kernel_gets_wrong():
+    """Heads of 16 channels and 8 modulo 16 keys, where torch 2.14's compiled CPU kernel returned wrong values or
+    NaN: the backend gives the kernel 16k keys, the padding masked out, and matches "math"."""
+    from zoo.layers.flex import padded_keys
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert padded_keys(40, 16, cpu) == padded_keys(33, 8, cpu) == padded_keys(48, 16, cpu) == 48
+    assert padded_keys(40, 32, cpu) == padded_keys(40, 16, cuda) == 40
+    _flex_matches_math({}, dict(window=5, lengths=[40, 9]), 40)
+
+
 def test_flex_reuses_its_kernel_for_another_batch_size():
     """A mask without per-sequence lengths broadcasts over the batch: the batch dimension is compiled dynamic, so
     the last, partial batch of an epoch compiles nothing new."""
@@ -264,7 +275,10 @@ def test_flex_forward_on_a_grid_with_relative_position_bias():
 
 
 @pytest.mark.slow
-def test_flex_forward_with_relative_position_bias_and_is_causal():
+def test_flex_forward_with_relative_position_bias_and_is_causal_at_a_second_n():
+    """After another N with as many (padded) keys: torch's automatic dynamic shapes would compile a kernel with
+    a dynamic N there, which returned wrong values with a position bias; the backend keeps N static."""
+    _flex_matches_math(dict(rel_pos_grid=(5, 6)), dict(window=1, grid=(5, 6)), 30)
     _flex_matches_math(dict(rel_pos_grid=(4, 4), num_prefix_tokens=1), dict(window=5, lengths=[17, 9]), 17,
                        is_causal=True)
 

@@ -16,6 +16,9 @@ the (N, M) score matrix that the mask rules out are skipped rather than computed
 - float32, float16 and bfloat16 only (what the CPU kernel takes): float64 is refused, naming "math" / "sdpa".
 - Attention dropout does not exist in flex: refused. Backward on the CPU does not exist in torch 2.14:
   refused with grad enabled, naming the banded path ("chunked" with a windowed spec, or "auto").
+- On the CPU, heads of at most 16 channels get their keys padded to a multiple of 16, the padding masked out:
+  torch 2.14's compiled CPU kernel returns wrong values or NaN there when the number of keys is 8 modulo 16
+  (8, 24, 40, ...; measured against SDPA with heads of 8 and 16 channels; 24 and more were right).
 - CUDA forward and backward is the same code path; this project's tests run on a CPU and check the forward.
 """
 
@@ -25,18 +28,37 @@ from dataclasses import replace
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .backends import Masking
 from .masks import MaskSpec
 
+CPU_KEY_MULTIPLE = 16  # keys padded to a multiple of this on the CPU for heads of at most 16 channels
+
+
+def padded_keys(m: int, head_dim: int, device: torch.device) -> int:
+    """How many keys the kernel is given for ``m`` real ones: ``m``, or on the CPU with heads of at most 16
+    channels ``m`` rounded up to a multiple of 16 (the module docstring says why)."""
+    if device.type != "cpu" or head_dim > 16 or m % CPU_KEY_MULTIPLE == 0:
+        return m
+    return m + CPU_KEY_MULTIPLE - m % CPU_KEY_MULTIPLE
+
 
 @torch.compiler.disable  # a graph break under torch.compile: the cached mask enters the graph as an input
 @lru_cache(maxsize=64)
-def block_mask(spec: MaskSpec, n: int, m: int, device: torch.device) -> BlockMask:
-    """The ``BlockMask`` of ``spec`` for n queries and m keys on ``device``, built once and cached."""
+def block_mask(spec: MaskSpec, n: int, m: int, device: torch.device, m_padded: int | None = None) -> BlockMask:
+    """The ``BlockMask`` of ``spec`` for n queries and m keys on ``device``, built once and cached; with
+    ``m_padded`` > m, for that many keys, the ones past m masked out."""
     batch = None if spec.lengths is None else len(spec.lengths)
-    return create_block_mask(spec.mask_mod(n, m, device), batch, None, n, m, device=device)
+    rule = spec.mask_mod(n, m, device)
+    if m_padded is None or m_padded == m:
+        return create_block_mask(rule, batch, None, n, m, device=device)
+
+    def real_keys_only(b, h, q_idx, kv_idx):
+        return rule(b, h, q_idx, kv_idx) & (kv_idx < m)
+
+    return create_block_mask(real_keys_only, batch, None, n, m_padded, device=device)
 
 
 def _flex(q, k, v, block_mask, rel_bias):
@@ -80,11 +102,24 @@ def flex_attention_spec(q, k, v, masking: Masking, dropout_p: float) -> torch.Te
     spec = masking.spec or MaskSpec()
     if masking.causal:
         spec = replace(spec, causal=True)
-    blocks = None if spec == MaskSpec() else block_mask(spec, masking.n, masking.m, q.device)
     rel_bias = None if masking.rel_bias is None else masking.rel_bias.to(q.dtype)
+    m_padded = padded_keys(masking.m, q.shape[-1], q.device)
+    if m_padded > masking.m:  # zero keys and values past the real ones, which the block mask leaves out
+        k, v = (F.pad(t, (0, 0, 0, m_padded - masking.m)) for t in (k, v))
+        rel_bias = None if rel_bias is None else F.pad(rel_bias, (0, m_padded - masking.m))
+        blocks = block_mask(spec, masking.n, masking.m, q.device, m_padded)
+    else:
+        blocks = None if spec == MaskSpec() else block_mask(spec, masking.n, masking.m, q.device)
     if blocks is None or blocks.shape[0] == 1:  # a block mask of one batch row broadcasts over any batch size
         for t in (q, k, v):
             torch._dynamo.maybe_mark_dynamic(t, 0)
+    # N and M stay static (a new N compiles again): the kernel torch 2.14 compiles for the CPU with a dynamic N,
+    # which its automatic dynamic shapes choose at the second N, returned wrong values (measured against math)
+    for t in (q, k, v):
+        torch._dynamo.mark_static(t, 2)
+    if rel_bias is not None:
+        torch._dynamo.mark_static(rel_bias, 1)
+        torch._dynamo.mark_static(rel_bias, 2)
     out = compiled_flex(q, k, v, blocks, rel_bias)
     if spec == MaskSpec():
         return out
