@@ -95,7 +95,7 @@ def find_cifar10() -> Path | None:
 def pytest_configure(config):
     """Under pytest-xdist (``-n N``) each worker takes its share of the cores for torch's intra-op threads, and
     the processes its tests start inherit it: N workers of every core's threads each would oversubscribe the
-    machine (on 2 cores, ``-n 2`` with 2 threads a worker ran the suite 1.5x slower than one process)."""
+    machine (on 2 cores, ``-n 2`` with 2 threads a worker ran the suite 1.6x slower than one process)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)
