@@ -91,6 +91,18 @@ def test_write_read_round_trip_and_no_overwrite(tmp_path):
     assert sorted(r["numbers"]["test_top1"] for r in results.read_all(tmp_path)) == [0.5, 0.6]
 
 
+def test_a_long_setting_is_cut_with_a_digest_so_no_name_reads_as_another_value():
+    def name(setting: str) -> str:
+        return results.file_name(record(numbers={**record()["numbers"], "setting": setting}))
+
+    short = "--set tta=0 --set model_args.patch_drop_rate=0.5"   # 48 characters: kept whole
+    assert name(short).endswith("_vit_nano-10min--set-tta=0--set-model_args.patch_drop_rate=0.5-s0.json")
+    long = [f"--set tta=0 --set model_args.patch_drop_rate={rate}" for rate in ("0.75", "0.875", "0.5 --set x=1")]
+    names = [name(s) for s in long]
+    assert len(set(names)) == 3 and not any("rate=0." in n for n in names)   # "=0.75" cut to "=0.7" read wrong
+    assert all(len(n) == len(names[0]) for n in names)
+
+
 def test_write_refuses_a_bad_record_and_writes_nothing(tmp_path):
     with pytest.raises(ResultError):
         results.write(record(date="yesterday"), tmp_path)

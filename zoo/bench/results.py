@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -197,10 +198,14 @@ def _minutes(budget: str) -> str:
 
 def file_name(result: dict) -> str:
     """``<date>_<kind>_<machine id>[_<model>-<budget>-<setting>-s<seed>].json`` (the part in brackets for a
-    train or shipped result), safe as a file name."""
+    train or shipped result; a setting over 48 characters as its first 40 and a digest of it), safe as a file
+    name."""
     n, what = result["numbers"], ""
     if result["kind"] in ("train", "shipped"):
-        what = "-".join(str(x) for x in (n["model"], _minutes(n.get("budget", "")), n.get("setting", "")[:48],
+        setting = n.get("setting", "")
+        if len(setting) > 48:  # cut short, with a digest of the whole: "=0.75" never reads "=0.7" in a name
+            setting = f"{setting[:40]}-{hashlib.sha1(setting.encode()).hexdigest()[:7]}"
+        what = "-".join(str(x) for x in (n["model"], _minutes(n.get("budget", "")), setting,
                                          f"s{n['seed']}" if "seed" in n else "") if x)
     parts = (result["date"], result["kind"], result["machine"]["id"], what)
     return re.sub(r"[^A-Za-z0-9_.=-]+", "-", "_".join(x for x in parts if x)).replace("--", "-") + ".json"
