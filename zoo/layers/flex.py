@@ -107,19 +107,17 @@ def flex_attention_spec(q, k, v, masking: Masking, dropout_p: float) -> torch.Te
     if m_padded > masking.m:  # zero keys and values past the real ones, which the block mask leaves out
         k, v = (F.pad(t, (0, 0, 0, m_padded - masking.m)) for t in (k, v))
         rel_bias = None if rel_bias is None else F.pad(rel_bias, (0, m_padded - masking.m))
-        blocks = block_mask(spec, masking.n, masking.m, q.device, m_padded)
-    else:
-        blocks = None if spec == MaskSpec() else block_mask(spec, masking.n, masking.m, q.device)
+    unmasked = spec == MaskSpec() and m_padded == masking.m
+    blocks = None if unmasked else block_mask(spec, masking.n, masking.m, q.device, m_padded)
     if blocks is None or blocks.shape[0] == 1:  # a block mask of one batch row broadcasts over any batch size
         for t in (q, k, v):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-    # N and M stay static (a new N compiles again): the kernel torch 2.14 compiles for the CPU with a dynamic N,
-    # which its automatic dynamic shapes choose at the second N, returned wrong values (measured against math)
-    for t in (q, k, v):
-        torch._dynamo.mark_static(t, 2)
-    if rel_bias is not None:
-        torch._dynamo.mark_static(rel_bias, 1)
-        torch._dynamo.mark_static(rel_bias, 2)
+    # N and M stay static on every device (a new N compiles again, as the module says): the kernel torch 2.14
+    # compiles for the CPU with a dynamic N, which its automatic dynamic shapes choose at the second N, returned
+    # wrong values with a position bias (measured against math)
+    for t, dim in ((q, 2), (k, 2), (v, 2), (rel_bias, 1), (rel_bias, 2)):
+        if t is not None:
+            torch._dynamo.mark_static(t, dim)
     out = compiled_flex(q, k, v, blocks, rel_bias)
     if spec == MaskSpec():
         return out
