@@ -29,7 +29,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 @pytest.mark.parametrize("variant", [v for v in ablation.VARIANTS if v != "recipe"])
 def test_each_variant_changes_only_its_own_keys(variant):
-    model = "vit_tiny" if variant.startswith("patch_drop") else "hybrid_tiny"  # patch dropout: the ViTs' own
+    # patch dropout and progressive resizing (dynamic_img_size): the ViTs' own
+    model = "vit_tiny" if variant.startswith(("patch_drop", "low_res")) else "hybrid_tiny"
     base = _flat(asdict(resolve_config(model, CONFIG)))
     changed = _flat(asdict(resolve_config(model, CONFIG, overrides=ablation.VARIANTS[variant])))
     differing = {key for key in base if base[key] != changed[key]}

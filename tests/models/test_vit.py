@@ -102,6 +102,8 @@ def test_reset_classifier_switches_pooling():
     (dict(global_pool="max"), "'token' or 'avg'"),
     (dict(pos_embed="rope"), "'learn' or 'sincos'"),
     (dict(num_heads=5), "divisible by num_heads"),
+    (dict(dynamic_img_size=True, rel_pos_bias=True), "dynamic_img_size .* rel_pos_bias"),
+    (dict(dynamic_img_size=True, local_window=1, global_pool="avg"), "dynamic_img_size .* local_window"),
 ])
 def test_bad_construction_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -114,6 +116,23 @@ def test_wrong_input_raises_naming_both(shape):
     with pytest.raises(ValueError, match=r"expected images of shape \(B, C, H, W\)") as err:
         vit(torch.randn(shape))
     assert "(B, 3, 32, 32)" in str(err.value) and str(tuple(shape)) in str(err.value)
+
+
+def test_dynamic_img_size_takes_sizes_divisible_by_the_patch():
+    vit = small_vit(dynamic_img_size=True).eval()
+    for size in [(16, 16), (32, 32), (48, 24)]:
+        assert vit(torch.randn(2, 3, *size)).shape == (2, 10)
+    with pytest.raises(ValueError, match=r"image size \(30, 32\) must be divisible by patch_size \(4, 4\)"):
+        vit(torch.randn(1, 3, 30, 32))
+
+
+def test_dynamic_sincos_at_another_grid_is_the_model_built_for_it():
+    """A sin-cos table is computed for the input's grid: the same weights built at 16 x 24 give the same logits."""
+    vit = small_vit(pos_embed="sincos", dynamic_img_size=True).eval()
+    built = small_vit(pos_embed="sincos", img_size=(16, 24)).eval()
+    built.load_state_dict(vit.state_dict())
+    x = torch.randn(2, 3, 16, 24)
+    torch.testing.assert_close(vit(x), built(x))
 
 
 def test_sincos_pos_embed_is_fixed():

@@ -42,6 +42,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     # teacher's own training is outside the budget), and its results records name the teacher.
     "distill": ("teacher=pretrained:hybrid_tiny",),
     "patch_drop_distill": ("model_args.patch_drop_rate=0.5", "teacher=pretrained:hybrid_tiny"),
+    # ViTs only: progressive resizing, 16 x 16 images for the first 90% of the steps, then the full 32 x 32
+    "low_res": ("model_args.dynamic_img_size=true", "low_res_size=16", "low_res_until=0.9"),
+    "low_res_patch_drop": ("model_args.dynamic_img_size=true", "low_res_size=16", "low_res_until=0.9",
+                           "model_args.patch_drop_rate=0.5"),
 }
 FIELDS = ("variant", "seed", "run_dir", "precision", "optimizer", "steps", "train_images_per_s", "best_val_top1",
           "test_top1_tta", "test_top1_plain")

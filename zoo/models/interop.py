@@ -30,7 +30,6 @@ def _timm_unsupported(vit: TimmVisionTransformer) -> list[str]:
     found = []
     flags = [
         (vit.no_embed_class, "no_embed_class=True"),
-        (vit.dynamic_img_size, "dynamic_img_size=True"),
         (pe.dynamic_img_pad, "dynamic_img_pad=True"),
         (vit.pos_embed is None, "pos_embed='none'"),
         (not isinstance(vit.norm_pre, nn.Identity), "pre_norm=True"),
@@ -134,7 +133,7 @@ def vit_from_timm(timm_vit: TimmVisionTransformer, img_size: int | tuple[int, in
     zoo_vit = VisionTransformer(img_size, tuple(pe.patch_size), pe.proj.in_channels, timm_vit.num_classes,
                                 global_pool=timm_vit.global_pool, drop_rate=timm_vit.head_drop.p,
                                 reg_tokens=timm_vit.num_reg_tokens, patch_drop_rate=_patch_drop_rate(timm_vit),
-                                **config)
+                                dynamic_img_size=timm_vit.dynamic_img_size, **config)
     return _copy(timm_vit, zoo_vit, tuple(pe.grid_size), _grid(img_size, tuple(pe.patch_size)),
                  timm_vit.num_prefix_tokens, timm_vit.state_dict())
 
@@ -143,7 +142,8 @@ def vit_to_timm(zoo_vit: VisionTransformer, img_size: int | tuple[int, int] | No
                 ) -> TimmVisionTransformer:
     """A ``timm.models.vision_transformer.VisionTransformer`` with the architecture and weights of a zoo ViT
     at ``img_size`` (default: the zoo model's). A fixed sin-cos position embedding becomes timm's learned
-    one with the same values; a relative position bias has no timm equivalent (ValueError)."""
+    one with the same values (with ``dynamic_img_size``, timm resamples it at another grid where the zoo
+    recomputes it); a relative position bias has no timm equivalent (ValueError)."""
     if not isinstance(zoo_vit, VisionTransformer):
         raise ValueError(f"expected a zoo VisionTransformer, got {type(zoo_vit).__name__}")
     attns = [blk.attn for blk in zoo_vit.blocks]
@@ -158,7 +158,8 @@ def vit_to_timm(zoo_vit: VisionTransformer, img_size: int | tuple[int, int] | No
         img_size=img_size, patch_size=zoo_vit.patch_size, in_chans=zoo_vit.in_chans,
         num_classes=zoo_vit.num_classes, global_pool=zoo_vit.global_pool,
         class_token=zoo_vit.cls_token is not None, reg_tokens=zoo_vit.num_reg_tokens, drop_rate=zoo_vit.head_drop.p,
-        patch_drop_rate=_patch_drop_rate(zoo_vit), weight_init="skip", **config)
+        patch_drop_rate=_patch_drop_rate(zoo_vit), dynamic_img_size=zoo_vit.dynamic_img_size, weight_init="skip",
+        **config)
     state_dict = zoo_vit.state_dict()
     state_dict["pos_embed"] = zoo_vit.pos_embed.detach()  # a sin-cos table is a non-persistent buffer
     return _copy(zoo_vit, timm_vit, zoo_vit.grid_size, _grid(img_size, zoo_vit.patch_size),

@@ -35,7 +35,7 @@ from timm.models import checkpoint_seq
 from torch import nn
 
 from ..layers.attention import MultiHeadAttention
-from ..layers.checks import check_grid, check_int, check_rate
+from ..layers.checks import check_grid, check_int, check_rate, tracing
 from ..layers.masks import MaskSpec, spec
 from ..layers.position import sincos_pos_embed_2d
 from .features import TOKEN_FEATURES, TokenFeatures
@@ -54,10 +54,11 @@ MAX_DEPTH = 1000  # blocks a ViT or hybrid may have: deeper ones (the deepest pu
 
 class PatchEmbed(nn.Module):
     """Non-overlapping patches -> tokens: a ``patch_size``-strided conv ``proj``.
-    (B, in_chans, H, W) with (H, W) == img_size -> (B, gh * gw, embed_dim), row-major over the grid."""
+    (B, in_chans, H, W) with (H, W) == img_size -> (B, gh * gw, embed_dim), row-major over the grid.
+    ``strict_img_size=False`` (timm's flag): any (H, W) divisible by patch_size."""
 
     def __init__(self, img_size: int | tuple[int, int] = 32, patch_size: int | tuple[int, int] = 4,
-                 in_chans: int = 3, embed_dim: int = 192):
+                 in_chans: int = 3, embed_dim: int = 192, strict_img_size: bool = True):
         super().__init__()
         self.img_size = check_grid("img_size", to_2tuple(img_size))
         self.patch_size = check_grid("patch_size", to_2tuple(patch_size))
@@ -65,11 +66,14 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"img_size {self.img_size} must be divisible by patch_size {self.patch_size}")
         self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
         self.num_patches = self.grid_size[0] * self.grid_size[1]
-        self.in_chans = in_chans
+        self.in_chans, self.strict_img_size = in_chans, strict_img_size
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_images(x, self.in_chans, self.img_size, self.proj.weight.dtype)
+        check_images(x, self.in_chans, self.img_size if self.strict_img_size else None, self.proj.weight.dtype)
+        if not self.strict_img_size and not tracing() and any(
+                s % p for s, p in zip(x.shape[2:], self.patch_size, strict=True)):
+            raise ValueError(f"image size {tuple(x.shape[2:])} must be divisible by patch_size {self.patch_size}")
         return rearrange(self.proj(x), "b c gh gw -> b (gh gw) c")
 
 
@@ -110,8 +114,11 @@ class VisionTransformer(TokenFeatures, nn.Module):
 
     Args:
         img_size, patch_size: int or (h, w); img_size must be divisible by patch_size. Inputs must have
-            exactly img_size. A learned ``pos_embed`` saved at another (square) grid is resampled
-            (bicubic, timm's ``resample_abs_pos_embed``) when a state_dict is loaded.
+            exactly img_size unless ``dynamic_img_size``. A learned ``pos_embed`` saved at another (square) grid
+            is resampled (bicubic, timm's ``resample_abs_pos_embed``) when a state_dict is loaded.
+        dynamic_img_size: as timm's flag: inputs of any size divisible by patch_size, the position embedding
+            resampled to their grid at each call (a learned one bicubic, sin-cos recomputed). Not with
+            ``rel_pos_bias`` or ``local_window``, which are built for one grid.
         num_classes: 0 -> ``forward`` returns pooled features (B, embed_dim).
         global_pool: "token" (class token, final ``norm`` before pooling) or "avg" (no class token, mean over
             patch tokens, then ``fc_norm``), as timm places the final norm.
@@ -139,7 +146,7 @@ class VisionTransformer(TokenFeatures, nn.Module):
                  qkv_bias: bool = True, pos_embed: str = "learn", rel_pos_bias: bool = False,
                  drop_rate: float = 0.0, proj_drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
                  drop_path_rate: float = 0.0, backend: str = "auto", local_window: int | None = None,
-                 reg_tokens: int = 0, patch_drop_rate: float = 0.0):
+                 reg_tokens: int = 0, patch_drop_rate: float = 0.0, dynamic_img_size: bool = False):
         super().__init__()
         for name, value in (("in_chans", in_chans), ("embed_dim", embed_dim)):
             check_int(name, value)  # 0 would build a model without input channels
@@ -162,12 +169,16 @@ class VisionTransformer(TokenFeatures, nn.Module):
         if patch_drop_rate and (rel_pos_bias or local_window is not None):
             raise ValueError("patch_drop_rate drops tokens from the patch grid, which rel_pos_bias and local_window "
                              "need whole: use one or the other")
+        if dynamic_img_size and (rel_pos_bias or local_window is not None):
+            raise ValueError("dynamic_img_size changes the patch grid, for which rel_pos_bias and local_window are "
+                             "built: use one or the other")
         self.num_classes = num_classes
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_reg_tokens = reg_tokens
         self.num_prefix_tokens = (1 if global_pool == "token" else 0) + reg_tokens
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.dynamic_img_size = bool(dynamic_img_size)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, strict_img_size=not dynamic_img_size)
         self.img_size, self.patch_size = self.patch_embed.img_size, self.patch_embed.patch_size
         self.grid_size, self.in_chans = self.patch_embed.grid_size, in_chans
 
@@ -258,9 +269,24 @@ class VisionTransformer(TokenFeatures, nn.Module):
     def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim) entering the blocks (in
         training with ``patch_drop_rate``, fewer patch tokens)."""
+        pos_embed = self.pos_embed
+        if self.dynamic_img_size and not tracing():  # fx traces the model's own grid
+            pos_embed = self.pos_embed_at((x.shape[-2] // self.patch_size[0], x.shape[-1] // self.patch_size[1]))
         x = self.patch_embed(x)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
-        return self.patch_drop(torch.cat([*prefix, x], dim=1) + self.pos_embed)  # timm's order: class, registers
+        return self.patch_drop(torch.cat([*prefix, x], dim=1) + pos_embed)  # timm's order: class, registers
+
+    def pos_embed_at(self, grid: tuple[int, int]) -> torch.Tensor:
+        """The position embedding (1, num_prefix_tokens + gh * gw, embed_dim) of a patch grid: ``pos_embed`` at
+        the model's own grid; at another (``dynamic_img_size``) a learned table resampled as timm does, a sin-cos
+        table computed for it."""
+        if grid == tuple(self.grid_size):
+            return self.pos_embed
+        if isinstance(self.pos_embed, nn.Parameter):
+            return resample_abs_pos_embed(self.pos_embed, list(grid), list(self.grid_size),
+                                          num_prefix_tokens=self.num_prefix_tokens)
+        table = sincos_pos_embed_2d(self.embed_dim, grid).to(self.pos_embed)
+        return nn.functional.pad(table, (0, 0, self.num_prefix_tokens, 0))[None]
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> tokens (B, num_prefix_tokens + gh * gw, embed_dim), after the final norm."""

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, _update_n, 
 
 from .compiled import CompiledStep
 from .device import synchronize
-from .forecast import RunForecast, StepClock, format_duration, guess_val_time, steps_in_budget
+from .forecast import RunForecast, StepClock, format_duration, guess_val_time, steps_in_budget, total_steps_in_budget
 from .optim import ema_multi_avg_fn
 
 
@@ -33,25 +33,34 @@ class TimeBudget(pl.Callback):
     and re-fits warm-up + decay to that; it re-fits after every validation with the measured validation time,
     and stops training when the fitted step count is reached. Its state travels in checkpoints.
 
+    With progressive resizing (the module's ``low_res_steps`` > 0: steps before it train on smaller images) the
+    fit counts the steps after the switch at the full-size step time: ``low_res_cost`` times the measured one
+    until ``FULL_MEASURE`` full-size steps after the switch (the first ``FULL_SKIP`` compile) have measured it,
+    then the fit is made again (``forecast.total_steps_in_budget``).
+
     Under several processes rank 0's clock decides: the measured times and the fitted step count are broadcast
     (``trainer.strategy.broadcast``, at steps every rank reaches together), so all ranks refit the same schedule
     and stop on the same global step."""
 
+    FULL_SKIP, FULL_MEASURE = 3, 10
+
     def __init__(self, budget_s: float, measure_steps: int = 20, skip_steps: int = 5):
         self.budget_s, self.measure_steps, self.skip_steps = budget_s, measure_steps, skip_steps
-        self.step_time: float | None = None
+        self.step_time: float | None = None  # the first measured step time (at the small size when resizing)
+        self.full_step_time: float | None = None  # with progressive resizing: measured after the switch
         self.val_time: float | None = None
         self.total_steps: int | None = None
         self.elapsed_before = 0.0  # budget spent by earlier (killed) parts of a resumed run
-        self._clock = StepClock()
+        self._clock, self._full_clock = StepClock(), StepClock()
         self._t0 = self._val_t = None
 
     def state_dict(self) -> dict:
-        return {"step_time": self.step_time, "val_time": self.val_time, "total_steps": self.total_steps,
-                "elapsed": self.elapsed()}
+        return {"step_time": self.step_time, "full_step_time": self.full_step_time, "val_time": self.val_time,
+                "total_steps": self.total_steps, "elapsed": self.elapsed()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step_time, self.val_time = state["step_time"], state["val_time"]
+        self.full_step_time = state.get("full_step_time")  # absent in checkpoints written before resizing
         self.total_steps = state["total_steps"]
         self.elapsed_before = state["elapsed"]
 
@@ -65,9 +74,18 @@ class TimeBudget(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         done = trainer.global_step - self._start_step
         measured = self._clock.tick(done, self.skip_steps, self.measure_steps, pl_module.device)
+        switch = getattr(pl_module, "low_res_steps", 0)
         if measured is not None and self.step_time is None:
             self.step_time = trainer.strategy.broadcast(measured)  # rank 0's clock decides
+            if switch and self._start_step + self.skip_steps >= switch:  # measured on full-size steps alone
+                self.full_step_time = self.step_time
             self._refit(trainer, pl_module)
+        if switch and self.step_time is not None and self.full_step_time is None and trainer.global_step > switch:
+            measured = self._full_clock.tick(trainer.global_step - switch, self.FULL_SKIP, self.FULL_MEASURE,
+                                             pl_module.device)
+            if measured is not None:
+                self.full_step_time = trainer.strategy.broadcast(measured)
+                self._refit(trainer, pl_module)
         if self.total_steps is not None and trainer.global_step >= self.total_steps:
             trainer.should_stop = True
 
@@ -83,14 +101,19 @@ class TimeBudget(pl.Callback):
 
     def _refit(self, trainer, pl_module) -> None:
         steps_per_epoch = max(trainer.num_training_batches // trainer.accumulate_grad_batches, 1)
-        # before validation was measured: a forward pass costs about a third of a training step, times the
-        # forward passes test-time augmentation makes
-        val_time = self.val_time if self.val_time is not None else guess_val_time(trainer, pl_module, self.step_time)
-        more = steps_in_budget(self.budget_s - self.elapsed(), self.step_time, val_time, steps_per_epoch)
-        self.total_steps = trainer.strategy.broadcast(trainer.global_step + more)  # rank 0's clock decides
+        left, done = self.budget_s - self.elapsed(), trainer.global_step
+        switch = getattr(pl_module, "low_res_steps", 0)
+        full = (self.full_step_time or self.step_time * pl_module.low_res_cost) if switch else self.step_time
+        # before validation was measured (at full size): a forward pass costs about a third of a training step,
+        # times the forward passes test-time augmentation makes
+        val_time = self.val_time if self.val_time is not None else guess_val_time(trainer, pl_module, full)
+        if switch:
+            total = total_steps_in_budget(done, left, val_time, steps_per_epoch, self.step_time, full,
+                                          pl_module.hparams.low_res_until if done < switch else 0.0)
+        else:
+            total = done + steps_in_budget(left, self.step_time, val_time, steps_per_epoch)
+        self.total_steps = trainer.strategy.broadcast(total)  # rank 0's clock decides
         pl_module.refit_schedule(self.total_steps)
-
-
 
 
 class Throughput(pl.Callback):

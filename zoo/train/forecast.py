@@ -46,6 +46,21 @@ def steps_in_budget(left_s: float, step_time: float, val_time: float, steps_per_
     return max(int((left_s - val_time) / (step_time + val_time / steps_per_epoch)), 1)
 
 
+def total_steps_in_budget(done: int, left_s: float, val_time: float, steps_per_epoch: int, low_step_time: float,
+                          full_step_time: float, low_share: float) -> int:
+    """The schedule's total optimizer steps T of a run with progressive resizing, ``done`` steps run and ``left_s``
+    seconds left: steps before ``low_share * T`` take ``low_step_time``, the rest ``full_step_time``, and the final
+    validation plus one per epoch of steps are paid for, as in ``steps_in_budget``. Past the switch (``done >=
+    low_share * T``) every step left is a full-size one (at least ``done + 1``)."""
+    per_val = val_time / steps_per_epoch
+    usable = left_s - val_time
+    total = (usable + done * (low_step_time + per_val)) / (
+        low_share * low_step_time + (1 - low_share) * full_step_time + per_val)
+    if low_share * total < done:  # the switch is behind: the steps left are full-size ones
+        total = done + usable / (full_step_time + per_val)
+    return max(int(total), done + 1)
+
+
 class StepClock:
     """The mean seconds of an optimizer step over the ``measure`` steps that follow the first ``skip`` of a fit
     (those compile and warm caches), the device synchronised at both ends: ``tick`` after each step returns it

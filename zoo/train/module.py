@@ -7,6 +7,7 @@ weight decay on norms, biases, position embeddings and the class token, label sm
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
 import lightning.pytorch as pl
@@ -63,6 +64,20 @@ def compiled_train_loss(device_type: str):
     return step
 
 
+def check_takes_size(model: torch.nn.Module, name: str, size: int) -> None:
+    """ValueError unless ``model`` takes (1, C, size, size) images (one forward on the meta device: no compute)."""
+    meta = model if any(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
+    meta.eval()
+    try:
+        with torch.no_grad():
+            meta(torch.empty(1, getattr(model, "in_chans", 3), size, size, device="meta"))
+    except (ValueError, RuntimeError, AssertionError) as err:
+        hint = (" (a ViT takes it with model_args.dynamic_img_size: true)"
+                if getattr(model, "dynamic_img_size", None) is False else "")
+        raise ValueError(f"low_res_size {size}: {name} does not take {size}x{size} images{hint}: "
+                         f"{str(err).splitlines()[0]}") from None
+
+
 class ImageClassifier(pl.LightningModule):
     """A zoo model trained for classification. Batches are ``(images (B, 3, H, W) float, targets)`` with
     targets int64 ``(B,)`` or class probabilities ``(B, num_classes)`` (mixup / cutmix).
@@ -90,6 +105,12 @@ class ImageClassifier(pl.LightningModule):
             checks too, so a NaN model is never saved); ``None`` -> 1 on CPU, 50 on GPU.
         distill, distill_weight, distill_temperature: how a teacher set with ``set_teacher`` teaches
             (``zoo.train.distill``); without one they do nothing.
+        low_res_size, low_res_until: progressive resizing (FixRes, Touvron et al. 2019,
+            https://arxiv.org/abs/1906.06423; fast.ai's and Composer's progressive resizing): the first
+            ``low_res_until`` of the training steps (``low_res_steps``, refitted with the schedule until the
+            switch) train on images resized to low_res_size x low_res_size (bilinear, antialiased), the rest at
+            full size; a teacher sees the full-size images. The model must take that size (ValueError naming
+            the setting otherwise: a ViT takes it with ``dynamic_img_size=True``). Validation and test: full size.
     """
 
     def __init__(self, model_name: str, model_args: dict | None = None, *, num_classes: int = 10,
@@ -98,10 +119,15 @@ class ImageClassifier(pl.LightningModule):
                  compile: bool | str = False, nan_check_every: int | None = None, optimizer: str = "adamw",
                  momentum: float = 0.9, no_decay_lr_scale: float = 1.0, schedule: str = "cosine", tta: int = 0,
                  muon_dtype: str = "auto", distill: str = "hard", distill_weight: float = 0.5,
-                 distill_temperature: float = 1.0):
+                 distill_temperature: float = 1.0, low_res_size: int | None = None, low_res_until: float = 0.75):
         super().__init__()
         self.save_hyperparameters()
         self.model = create_model(model_name, num_classes=num_classes, **(model_args or {}))
+        if low_res_size:
+            check_takes_size(self.model, model_name, low_res_size)
+        self.low_res_steps = 0  # training steps before the switch to full size (0: no progressive resizing)
+        self.low_res_cost = 1.0  # a full-size step's cost over a low-res one, estimated: the ratio of pixels
+        self._restored_low_res_steps: int | None = None
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         if channels_last:
             self.model.to(memory_format=torch.channels_last)
@@ -156,17 +182,27 @@ class ImageClassifier(pl.LightningModule):
         base = int(torch.randint(2**31, ()))  # torch's CPU generator: a host value, no wait for the device
         return forked_generators(self.device, base * world + self._trainer.global_rank)
 
+    def train_images(self, images: torch.Tensor) -> torch.Tensor:
+        """A training batch at the size this step trains at: before ``low_res_steps``, resized to
+        low_res_size (progressive resizing), else as given."""
+        size = self.hparams.low_res_size
+        if not size or self.global_step >= self.low_res_steps:
+            return images
+        self.low_res_cost = images.shape[-2] * images.shape[-1] / size**2
+        return F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+
     def _shared_step(self, batch, stage: str) -> torch.Tensor:
         images, targets = batch
         with self.rank_own_draws() if stage == "train" else contextlib.nullcontext():
             hp = self.hparams
             if stage == "train" and (hp.compile == "step" or self._teacher):
                 loss_fn = compiled_train_loss(images.device.type) if hp.compile == "step" else train_loss
-                loss, logits = loss_fn(self.model, images, targets, hp.label_smoothing, self.memory_format,
-                                       self.teacher_logits(images),
+                loss, logits = loss_fn(self.model, self.train_images(images), targets, hp.label_smoothing,
+                                       self.memory_format, self.teacher_logits(images),
                                        (hp.distill, hp.distill_weight, hp.distill_temperature))
             else:
-                logits = self(images) if stage == "train" else tta_logits(self, images, self.hparams.tta)
+                logits = (self(self.train_images(images)) if stage == "train"
+                          else tta_logits(self, images, self.hparams.tta))
                 loss = F.cross_entropy(logits.float(), targets, label_smoothing=self.hparams.label_smoothing)
         labels = targets.argmax(dim=1) if targets.ndim == 2 else targets
         metrics = self.metrics[f"{stage}_acc"]
@@ -214,8 +250,13 @@ class ImageClassifier(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         self.check_finite()  # never write a checkpoint of a model that saw a NaN loss
+        checkpoint["low_res_steps"] = self.low_res_steps
         for logger in self.loggers:
             logger.save()  # metrics.csv keeps the history up to every checkpoint, even if the run is killed
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # configure_optimizers runs after the restore: it keeps the resumed run's switch step
+        self._restored_low_res_steps = checkpoint.get("low_res_steps")
 
     @property
     def whitening_layers(self) -> list[PatchWhitening]:
@@ -261,6 +302,9 @@ class ImageClassifier(pl.LightningModule):
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = WarmupDecay(round(total * hp.warmup_frac), total, hp.min_lr_ratio, hp.schedule)
         scheduler = (StepSchedule if compiled else torch.optim.lr_scheduler.LambdaLR)(optimizer, schedule)
+        if hp.low_res_size:
+            restored = self._restored_low_res_steps
+            self.low_res_steps = round(total * hp.low_res_until) if restored is None else restored
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def refit_schedule(self, total_steps: int) -> None:
@@ -268,6 +312,8 @@ class ImageClassifier(pl.LightningModule):
         schedule = self.lr_schedulers().lr_lambdas[0]
         schedule.total_steps = max(int(total_steps), self.global_step + 1)
         schedule.warmup_steps = round(schedule.total_steps * self.hparams.warmup_frac)
+        if self.hparams.low_res_size and self.global_step < self.low_res_steps:  # the switch stays where it came
+            self.low_res_steps = max(round(schedule.total_steps * self.hparams.low_res_until), self.global_step)
         optimizer = self.trainer.optimizers[0]
         if isinstance(optimizer, CompiledStep):  # the next step's rate, computed before the refit, again
             optimizer.sync_schedule(self.lr_schedulers(), self.global_step)

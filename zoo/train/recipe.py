@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
+import torch
 import yaml
 
 from . import checks as c
@@ -113,6 +114,11 @@ class Recipe(_Checked):
                                    "cifar-10-batches-py (null: ./data)", OPTIONAL_PATH)
     download: bool = setting(False, "download CIFAR-10 into data_dir when it holds no dataset", FLAG)
     img_size: int = setting(32, "images are img_size x img_size; every zoo model gets it", POSITIVE)
+    low_res_size: int | None = setting(
+        None, "progressive resizing: the first low_res_until of the training steps see images resized to this, "
+        "the rest img_size (null: off); the model must take it (a ViT: model_args.dynamic_img_size: true)", COUNT)
+    low_res_until: float = setting(0.75, "with low_res_size: the share of the training steps at that size, in (0, 1]",
+                                   c.FRACTION)
     val_size: int = setting(5000, "training images held out for validation", NATURAL)
     max_train_images: int | None = setting(None, "train on a seeded subset of this many images", COUNT)
     max_test_images: int | None = setting(None, "test on a seeded subset of this many images", COUNT)
@@ -170,6 +176,8 @@ class Recipe(_Checked):
                 raise ValueError(f"lr * {key} must be at most {c.FLOAT32_MAX:.4g} (float32's largest, which the "
                                  f"optimizer computes in), got {self.lr} * {getattr(self, key)}")
         self._check_batch_fits()
+        if self.low_res_size is not None and self.low_res_size >= self.img_size:
+            raise ValueError(f"low_res_size must be below img_size ({self.img_size}), got {self.low_res_size}")
         if self.model in list_models():
             check_model_args(self.model, self.model_args, prefix="model_args.")
         for key, instead in (("num_classes", "the data's classes set it"), ("img_size", "give img_size, which the "
@@ -178,6 +186,8 @@ class Recipe(_Checked):
                 raise ValueError(f"model_args.{key} is not a recipe setting: {instead}")
         if self.model in list_models():
             _check_model_fits(self.model, self.img_size, self.model_args)
+            if self.low_res_size is not None:
+                _check_takes_low_res(self.model, self.img_size, self.model_args, self.low_res_size)
 
     def _check_batch_fits(self) -> None:
         """One training batch (of batch_size images, or all of max_train_images where fewer) in float32 must fit
@@ -226,6 +236,16 @@ def _check_model_fits(model: str, img_size: int, model_args: dict) -> None:
             message = str(err)
             raise ValueError(f"model_args.{message}" if message.split()[0] in model_args else message) from None
         _FITTING.add(key)
+
+
+def _check_takes_low_res(model: str, img_size: int, model_args: dict, size: int) -> None:
+    """``module.check_takes_size`` on the model built on the meta device (no memory, no compute)."""
+    from ..models import create_model
+    from .module import check_takes_size
+
+    with torch.device("meta"):
+        built = create_model(model, img_size=img_size, **model_args)
+    check_takes_size(built, model, size)
 
 
 def recipe_fields(cls=Recipe, prefix: str = ""):
