@@ -182,3 +182,30 @@ def test_the_budget_fits_and_keeps_two_step_costs(tmp_path, monkeypatch):
     assert [tuple(x.shape[-2:]) for x in seen] == [(8, 8)] * switch + [(16, 16)] * (len(seen) - switch)
     assert len(seen) == budget.total_steps == simulated_total(0, 3.0, 0.0, 40, 0.01, 0.04, 0.5)
     assert clock.now <= 3.0 + 1e-9
+
+
+def test_a_busy_start_does_not_cut_the_run_short(tmp_path, monkeypatch):
+    """The machine is 4 times slower while the first 40 steps run (the first step time is measured then), then
+    normal: the windows of ``REFIT_EVERY`` steps measure the real step time again, and the run ends inside its
+    budget with less than two windows' worth of steps unspent (the first measurement alone would have stopped
+    it after about a third of the budget)."""
+    from types import SimpleNamespace
+
+    import zoo.train.callbacks as callbacks
+    import zoo.train.forecast as forecast
+
+    classifier = ImageClassifier("vit_nano", TINY, num_classes=10)  # no resizing: one step cost
+    clock = FakeClock(classifier.model, per_pixel=0.0)
+    steps = []
+
+    def step_cost(module, args):  # a pre-hook's return value would replace the inputs
+        steps.append(1)
+        clock.advance(0.04 if len(steps) <= 40 else 0.01)
+
+    classifier.model.register_forward_pre_hook(step_cost)
+    for where in (callbacks, forecast):
+        monkeypatch.setattr(where, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    budget = TimeBudget(budget_s=6.0, measure_steps=4, skip_steps=1)
+    trainer(tmp_path, max_epochs=100, limit_val_batches=0, callbacks=[budget]).fit(classifier, Batches(n=320))
+    assert budget.step_time == pytest.approx(0.01)
+    assert 6.0 - 2 * TimeBudget.REFIT_EVERY * 0.01 <= clock.now <= 6.0 + 1e-9

@@ -31,7 +31,10 @@ class TimeBudget(pl.Callback):
     After ``measure_steps`` optimizer steps it measures the step time, estimates how many steps fit in what
     is left of ``budget_s`` once validation (one pass per epoch, test-time augmentation included) is paid for,
     and re-fits warm-up + decay to that; it re-fits after every validation with the measured validation time,
-    and stops training when the fitted step count is reached. Its state travels in checkpoints.
+    and every ``REFIT_EVERY`` steps with the step time of those steps (validation left out, checkpoint writes
+    in), so a machine that was busy while the first steps were timed, or gets busy later, still ends inside the
+    budget and near its end; it stops training when the fitted step count is reached. Its state travels in
+    checkpoints.
 
     With progressive resizing (the module's ``low_res_steps`` > 0: steps before it train on smaller images) the
     fit counts the steps after the switch at the full-size step time: ``low_res_cost`` times the measured one
@@ -43,6 +46,7 @@ class TimeBudget(pl.Callback):
     and stop on the same global step."""
 
     FULL_SKIP, FULL_MEASURE = 3, 10
+    REFIT_EVERY = 50
 
     def __init__(self, budget_s: float, measure_steps: int = 20, skip_steps: int = 5):
         self.budget_s, self.measure_steps, self.skip_steps = budget_s, measure_steps, skip_steps
@@ -53,6 +57,8 @@ class TimeBudget(pl.Callback):
         self.elapsed_before = 0.0  # budget spent by earlier (killed) parts of a resumed run
         self._clock, self._full_clock = StepClock(), StepClock()
         self._t0 = self._val_t = None
+        self._val_spent = 0.0  # validation seconds of this process, kept out of the step-time windows
+        self._window: tuple[int, float, float] | None = None  # (step, clock, _val_spent) where the window began
 
     def state_dict(self) -> dict:
         return {"step_time": self.step_time, "full_step_time": self.full_step_time, "val_time": self.val_time,
@@ -86,8 +92,33 @@ class TimeBudget(pl.Callback):
             if measured is not None:
                 self.full_step_time = trainer.strategy.broadcast(measured)
                 self._refit(trainer, pl_module)
+        if self.step_time is not None:
+            self._window_tick(trainer, pl_module, switch)
         if self.total_steps is not None and trainer.global_step >= self.total_steps:
             trainer.should_stop = True
+
+    def _window_tick(self, trainer, pl_module, switch: int) -> None:
+        """Every ``REFIT_EVERY`` steps: the mean step time of those steps replaces the step time of their phase
+        (all before the switch, or all full-size ones after the compiling ones), and the schedule is refitted; a
+        window across the switch is dropped."""
+        step = trainer.global_step
+        if step - self._start_step < self.skip_steps or (  # a resumed process compiles again first
+                self._window is not None and step - self._window[0] < self.REFIT_EVERY):
+            return
+        synchronize(pl_module.device)
+        now = time.perf_counter()
+        window, self._window = self._window, (step, now, self._val_spent)
+        if window is None:
+            return
+        start, began, val_before = window
+        seconds = trainer.strategy.broadcast((now - began - (self._val_spent - val_before)) / (step - start))
+        if not switch or step <= switch:
+            self.step_time = seconds
+        elif start >= switch + self.FULL_SKIP:
+            self.full_step_time = seconds
+        else:
+            return
+        self._refit(trainer, pl_module)
 
     def on_validation_start(self, trainer, pl_module):
         self._val_t = time.perf_counter()
@@ -95,6 +126,7 @@ class TimeBudget(pl.Callback):
     def on_validation_end(self, trainer, pl_module):
         if trainer.sanity_checking or self._val_t is None:
             return
+        self._val_spent += time.perf_counter() - self._val_t
         self.val_time = trainer.strategy.broadcast(time.perf_counter() - self._val_t)
         if self.step_time is not None:
             self._refit(trainer, pl_module)
