@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 from ..atomic import atomic_write_csv, atomic_write_text
 from ..train.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD
 from . import ablation, results
+from .report_targets import show_mean_se
 
 TRAIN_IMAGES, TEST_IMAGES = 50_000, 10_000  # the anchor always trains on all of CIFAR-10's training images
 # its final evaluation: 6 forward passes a test image with TTA (mirror, and both one-pixel shifts mirrored) and 1
@@ -130,12 +130,6 @@ def zoo_row(seed: int, args: argparse.Namespace) -> dict:
             "seconds": summary["wall_time_s"], "run": found["run_dir"]}
 
 
-def mean_se(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.4f} (n=1)"
-    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values) / math.sqrt(len(values)):.4f} (n={len(values)})"
-
-
 def pairing_table(rows: list[dict]) -> str:
     """Markdown: per seed both sides' test top-1 (TTA, and plain), the means ± standard errors, and the mean
     paired difference zoo - anchor with its standard error."""
@@ -153,11 +147,11 @@ def pairing_table(rows: list[dict]) -> str:
     for side in ("zoo", "anchor"):
         values = [float(r["test_top1_tta"]) for (_, s), r in sorted(by.items()) if s == side]
         if values:
-            lines.append(f"\n{side}: test top-1 with TTA {mean_se(values)}")
+            lines.append(f"\n{side}: test top-1 with TTA {show_mean_se(values)}")
     paired = [float(by[s, "zoo"]["test_top1_tta"]) - float(by[s, "anchor"]["test_top1_tta"])
               for s in seeds if (s, "zoo") in by and (s, "anchor") in by]
     if paired:
-        lines.append(f"\nzoo - anchor, paired by seed: {mean_se(paired).replace(' (n=', ' (pairs=')}")
+        lines.append(f"\nzoo - anchor, paired by seed: {show_mean_se(paired).replace(' (n=', ' (pairs=')}")
     return "\n".join(lines) + "\n"
 
 

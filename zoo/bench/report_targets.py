@@ -20,22 +20,25 @@ def _precision(value: str) -> str:
     return "bf16" if str(value).startswith("bf16") else str(value)
 
 
-def _is_recipe(setting: str) -> bool:
-    """Whether a hybrid_tiny run is the plain CPU recipe (its setting changes the precision at most)."""
-    for words in PRECISION_ONLY:
-        setting = setting.replace(words, "")
-    return not setting.strip()
-
-
 def mean_se(values: list[float]) -> tuple[float, float]:
     """Mean and standard error (sample sd / sqrt(n); 0 for one value)."""
     se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
     return statistics.mean(values), se
 
 
-def _show(values: list[float]) -> str:
+def show_mean_se(values: list[float]) -> str:
+    """"0.7186 ± 0.0044 (n=3)", or "0.8243 (n=1)" for one value (also ``zoo.bench.anchor``'s tables)."""
+    if len(values) < 2:
+        return f"{values[0]:.4f} (n=1)"
     mean, se = mean_se(values)
     return f"{mean:.4f} ± {se:.4f} (n={len(values)})"
+
+
+def _is_recipe(setting: str) -> bool:
+    """Whether a hybrid_tiny run is the plain CPU recipe (its setting changes the precision at most)."""
+    for words in PRECISION_ONLY:
+        setting = setting.replace(words, "")
+    return not setting.strip()
 
 
 def _ten_minute_runs(results: list[dict]) -> list[dict]:
@@ -57,7 +60,7 @@ def pairing_rows(results: list[dict]) -> list[list]:
         (h, h_se), (p, p_se) = mean_se(runs[HYBRID]), mean_se(runs[PORT])
         se = math.hypot(h_se, p_se)
         rows.append([f"`{HYBRID}` above the airbench94 port", f"`{machine}`", precision,
-                     f"{_show(runs[HYBRID])} against {_show(runs[PORT])}: {h - p:+.4f} ± {se:.4f}",
+                     f"{show_mean_se(runs[HYBRID])} against {show_mean_se(runs[PORT])}: {h - p:+.4f} ± {se:.4f}",
                      "yes" if se > 0 and h - p > se else "no"])
     return rows
 
