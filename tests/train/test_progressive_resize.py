@@ -5,6 +5,9 @@ simulation of the run is the reference)."""
 
 from __future__ import annotations
 
+import math
+import time
+
 import lightning.pytorch as pl
 import numpy as np
 import pytest
@@ -209,3 +212,47 @@ def test_a_busy_start_does_not_cut_the_run_short(tmp_path, monkeypatch):
     trainer(tmp_path, max_epochs=100, limit_val_batches=0, callbacks=[budget]).fit(classifier, Batches(n=320))
     assert budget.step_time == pytest.approx(0.01)
     assert 6.0 - 2 * TimeBudget.REFIT_EVERY * 0.01 <= clock.now <= 6.0 + 1e-9
+
+
+def forecast_run(recipe, low_res_steps: int, **kwargs):
+    """A RunForecast on a fake trainer at step 0 (351 steps an epoch, 10 validation batches, one pass each)."""
+    from types import SimpleNamespace
+
+    from zoo.train.forecast import RunForecast
+
+    trainer = SimpleNamespace(global_step=0, estimated_stepping_batches=recipe.epochs * 351, num_training_batches=351,
+                              accumulate_grad_batches=1, num_val_batches=[10], is_global_zero=True,
+                              progress_bar_callback=None, precision="32", callbacks=[])
+    module = SimpleNamespace(eval_passes=1, low_res_steps=low_res_steps, device=torch.device("cpu"))
+    forecast = RunForecast(recipe, "cpu", "a test CPU", **kwargs)
+    forecast._fit_t0 = time.perf_counter()  # as on_fit_start
+    return forecast, trainer, module
+
+
+def test_the_time_left_counts_full_size_steps_at_their_cost():
+    """An epoch-scheduled run whose step time was measured on 16 x 16 images: by hand, the steps before the switch
+    at that time, those after at 4 times it (32 x 32), one full-size validation per epoch left."""
+    recipe = resolve_config("vit_tiny", overrides=["low_res_size=16", "model_args.dynamic_img_size=true"])
+    total = recipe.epochs * 351
+    switch = int(recipe.low_res_until * total)
+    forecast, trainer, module = forecast_run(recipe, switch)
+    for step in range(1, 5):  # one step left out, three measured
+        trainer.global_step = step
+        forecast.on_train_batch_end(trainer, module, None, None, step - 1)
+    low = forecast.step_time
+    expected = (switch - 4) * low + (total - switch) * 4 * low + math.ceil((total - 4) / 351) * (4 * low / 3 * 10)
+    assert forecast.remaining_s(trainer, module) - forecast._test_time(module) == pytest.approx(expected)
+    assert f"{low:.3g} s a step at 16x16, {4 * low:.3g} s at 32x32, measured" in forecast.lines[0]
+
+
+def test_the_plan_line_counts_the_steps_a_budget_buys_at_two_step_costs():
+    """Under --max-time, before TimeBudget has fitted its schedule: from the probe's full-size step (2 s), a 16 x 16
+    step costs a quarter, and the steps are those of the step-by-step simulation."""
+    recipe = resolve_config("vit_tiny", overrides=["low_res_size=16", "model_args.dynamic_img_size=true",
+                                                   "max_time=00:00:10:00"])
+    forecast, trainer, module = forecast_run(recipe, 0, budget_s=600.0, probe_step_s=2.0)
+    forecast.on_train_start(trainer, module)
+    val = 2.0 / 3 * 10  # a full-size validation: a third of a step per batch
+    expected = simulated_total(0, 600.0, val, 351, 0.5, 2.0, recipe.low_res_until)
+    assert abs(forecast.total_steps(trainer, module) - expected) <= 1
+    assert "0.5 s a step at 16x16, 2 s at 32x32, timed before training" in forecast.lines[0]

@@ -111,6 +111,7 @@ class RunForecast(pl.Callback):
         self._t_val = self._fit_t0 = None
         self._start_step = 0
         self._measured = False
+        self._timed_low = False  # whether step_time is a step on low_res_size images (progressive resizing)
 
     def _say(self, trainer, line: str) -> None:
         if trainer.is_global_zero:
@@ -144,6 +145,8 @@ class RunForecast(pl.Callback):
             self._measured = True
             announce = self.step_time is None
             self.step_time = measured
+            self._timed_low = bool(self.recipe.low_res_size) and trainer.global_step <= getattr(
+                pl_module, "low_res_steps", 0)
             if announce:
                 self._announce(trainer, pl_module)
 
@@ -155,12 +158,14 @@ class RunForecast(pl.Callback):
             self.val_time = time.perf_counter() - self._t_val
 
     def _val_time(self, trainer, pl_module) -> float:
-        return self.val_time if self.val_time is not None else guess_val_time(trainer, pl_module, self.step_time)
+        if self.val_time is not None:
+            return self.val_time
+        return guess_val_time(trainer, pl_module, self._step_times()[1])  # validation is at full size
 
     def _test_time(self, pl_module) -> float:
         """The test after the fit: an image's forward pass costs about a third of its share of a training step, times
         the passes test-time augmentation makes."""
-        per_image = self.step_time / self.recipe.batch_size
+        per_image = self._step_times()[1] / self.recipe.batch_size
         return per_image / 3 * getattr(pl_module, "eval_passes", 1) * self.test_images
 
     def _time_budget(self, trainer):
@@ -186,20 +191,53 @@ class RunForecast(pl.Callback):
         left = self._budget_left(trainer)
         if left is None or self.step_time is None:
             return scheduled
-        fit = trainer.global_step + steps_in_budget(left, self.step_time, self._val_time(trainer, pl_module),
-                                                    _steps_per_epoch(trainer))
+        val, per_epoch = self._val_time(trainer, pl_module), _steps_per_epoch(trainer)
+        if self.recipe.low_res_size:
+            low, full = self._step_times()
+            fit = total_steps_in_budget(trainer.global_step, left, val, per_epoch, low, full,
+                                        self.recipe.low_res_until)
+        else:
+            fit = trainer.global_step + steps_in_budget(left, self.step_time, val, per_epoch)
         return min(scheduled, fit)
+
+    def _step_times(self) -> tuple[float, float]:
+        """Seconds of a step on low_res_size images and of a full-size one (equal without progressive resizing).
+        ``step_time`` is a low-res one where it was measured before the switch, else a full-size one (the probe
+        times full-size steps); the other is estimated by the ratio of pixels."""
+        size = self.recipe.low_res_size
+        cost = (self.recipe.img_size / size) ** 2 if size else 1.0
+        return (self.step_time, self.step_time * cost) if self._timed_low else (self.step_time / cost, self.step_time)
+
+    def _switch(self, trainer, pl_module, total: int) -> int:
+        """The step where progressive resizing switches to full size (0 without it): the module's, or before
+        ``TimeBudget`` has fitted its schedule, the recipe's share of ``total``."""
+        if not self.recipe.low_res_size:
+            return 0
+        budget = self._time_budget(trainer)
+        if budget is not None and budget.total_steps is None:
+            return int(self.recipe.low_res_until * total)
+        return getattr(pl_module, "low_res_steps", 0)
 
     def remaining_s(self, trainer, pl_module) -> float | None:
         """Seconds left in the whole run (training, validation and the test), or None before a step time is
         known."""
         if self.step_time is None:
             return None
-        steps_left = max(self.total_steps(trainer, pl_module) - trainer.global_step, 0)
-        left = steps_left * self.step_time + math.ceil(steps_left / _steps_per_epoch(trainer)) * self._val_time(
-            trainer, pl_module)
+        total = self.total_steps(trainer, pl_module)
+        steps_left = max(total - trainer.global_step, 0)
+        low_left = min(max(self._switch(trainer, pl_module, total) - trainer.global_step, 0), steps_left)
+        low, full = self._step_times()
+        left = low_left * low + (steps_left - low_left) * full + math.ceil(
+            steps_left / _steps_per_epoch(trainer)) * self._val_time(trainer, pl_module)
         budget_left = self._budget_left(trainer)
         return (left if budget_left is None else min(left, budget_left)) + self._test_time(pl_module)
+
+    def _step_seconds(self) -> str:
+        """The plan line's step time: "0.5 s a step", or per size with progressive resizing."""
+        if not self.recipe.low_res_size:
+            return f"{self.step_time:.3g} s a step"
+        (low, full), size, img = self._step_times(), self.recipe.low_res_size, self.recipe.img_size
+        return f"{low:.3g} s a step at {size}x{size}, {full:.3g} s at {img}x{img}"
 
     def _announce(self, trainer, pl_module) -> None:
         recipe, per_epoch = self.recipe, _steps_per_epoch(trainer)
@@ -219,7 +257,7 @@ class RunForecast(pl.Callback):
         self._say(trainer, f"{self.accelerator} ({self.machine}), precision {trainer.precision}, optimizer "
                            f"{recipe.optimizer}, batch {recipe.batch_size}: {schedule}; about {format_duration(eta)} "
                            f"in all ({format_duration(eta - test_s)} training and validation, {test}; "
-                           f"{self.step_time:.3g} s a step, {timed})")
+                           f"{self._step_seconds()}, {timed})")
         regularisers = long_schedule_settings(recipe)
         if self.budget_s is not None and total < 3 * per_epoch and recipe.epochs >= 30 and regularisers:
             self._say(trainer, f"the budget covers {total / per_epoch:.2g} of {recipe.epochs} epochs, and the "
