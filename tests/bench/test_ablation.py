@@ -112,3 +112,46 @@ def test_a_run_tested_without_tta_is_not_evaluated_again(tmp_path, monkeypatch, 
     row = ablation.run_one("recipe", 0, args)
     assert len(calls) == (2 if tta else 1)
     assert (row["test_top1_tta"], row["test_top1_plain"]) == ((0.25, 0.2) if tta else (0.25, 0.25))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "optimizer_min_speed=0"], r"--set optimizer_min_speed=0: optimizer_min_speed must lie in \(0, 1\]"),
+    (["--variants", "recipe", "low_res"], "low_res_size=16 .*: hybrid_tiny takes no argument model_args.dynamic_img_size"),
+])
+def test_a_bad_setting_stops_the_ablation_before_its_first_run(tmp_path, monkeypatch, capsys, argv, message):
+    """Every run's settings are resolved first: a bad one (here the second variant's) is one line and exit 2
+    before any run has trained."""
+    import re
+
+    monkeypatch.setattr(ablation, "run_one", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as stop:
+        ablation.main(["--data-dir", "DATA", "--out", str(tmp_path / "out"), "--seeds", "0", "--config", CONFIG,
+                       *argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and re.search(message, err) and "Traceback" not in err
+
+
+def test_a_run_that_fails_ends_the_ablation_in_one_line_keeping_the_finished_runs(tmp_path, monkeypatch, capsys):
+    """The second variant's train.py exits 2: the ablation says which run stopped and where the finished ones are,
+    exits 2 without a traceback, and its table keeps the first run's row."""
+    import json
+    import subprocess
+
+    def fake_run(cmd, **kwargs):
+        if "ema_decay=0" in cmd:
+            raise subprocess.CalledProcessError(2, cmd)
+        run_dir = tmp_path / "runs" / "recipe"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text("model: hybrid_tiny\ntta: 0\n")
+        (run_dir / "summary.json").write_text(json.dumps({
+            "precision": "32", "global_step": 7, "train_images_per_s": 1.0, "best_val_top1": 0.3,
+            "test_top1": 0.25, "tested_checkpoint": "last.ckpt"}))
+        return subprocess.CompletedProcess(cmd, 0, stdout=f"{run_dir}\n")
+
+    monkeypatch.setattr(ablation.subprocess, "run", fake_run)
+    out = tmp_path / "out"
+    code = ablation.main(["--data-dir", "DATA", "--out", str(out), "--seeds", "0", "--config", CONFIG,
+                          "--variants", "recipe", "no_ema", "--set", "tta=0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "the no_ema run of seed 0 stopped (exit 2" in err and str(out / "ablation.csv") in err
+    assert [r["variant"] for r in ablation.read_rows(out / "ablation.csv")] == ["recipe"]

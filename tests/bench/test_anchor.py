@@ -128,3 +128,31 @@ def test_default_precision_follows_the_detection(monkeypatch):
     assert anchor.default_precision() == "32"
     monkeypatch.setenv("ZOO_NATIVE_BF16", "1")
     assert anchor.default_precision() == "bf16-mixed"
+
+
+def test_a_bad_zoo_setting_stops_before_the_anchor_runs(tmp_path, capsys):
+    folder = tmp_path / "anchor"
+    folder.mkdir()
+    (folder / "airbench94_cpu.py").write_text(FAKE_ANCHOR)
+    with pytest.raises(SystemExit) as stop:
+        anchor.main(["--anchor", str(folder), "--data-dir", str(tmp_path), "--out", str(tmp_path / "o"),
+                     "--precision", "32", "--set", "lr=-1"])
+    assert stop.value.code == 2 and "--set precision=32 --set lr=-1: " in capsys.readouterr().err
+    assert not (folder / "calls.jsonl").exists() and not (tmp_path / "o").exists()  # nothing ran or was made
+
+
+def test_a_failed_run_ends_the_pairing_in_one_line(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    folder = tmp_path / "anchor"
+    folder.mkdir()
+    (folder / "airbench94_cpu.py").write_text(FAKE_ANCHOR)
+    (folder / "prep_data.py").write_text(FAKE_PREP)
+
+    def failing(seed, args):
+        raise subprocess.CalledProcessError(2, ["train.py"])
+
+    monkeypatch.setattr(anchor, "zoo_row", failing)
+    code = anchor.main(["--anchor", str(folder), "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "o"),
+                        "--seeds", "0", "--precision", "32"])
+    assert code == 2 and "the zoo run of seed 0 stopped (exit 2" in capsys.readouterr().err

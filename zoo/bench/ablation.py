@@ -87,6 +87,27 @@ def run_one(variant: str, seed: int, args: argparse.Namespace) -> dict:
             "test_top1_tta": summary["test_top1"], "test_top1_plain": plain}
 
 
+def check_settings(p: argparse.ArgumentParser, model: str, config: str, overrides: list[list[str]]) -> None:
+    """Each run's recipe (``model``, ``config`` and one list of ``--set`` overrides a run) resolved before the first
+    run starts, so that a bad setting stops the command within seconds, in one line (exit 2), and not after the
+    runs before it have trained."""
+    from ..train.recipe import resolve_config
+
+    for sets in overrides:
+        try:
+            resolve_config(model, config, sets)
+        except ValueError as err:
+            p.error(f"{' '.join(f'--set {o}' for o in sets)}: {err}")
+
+
+def run_stopped(tool: str, what: str, err: subprocess.CalledProcessError, table: Path) -> int:
+    """A run that exited with an error: one line saying so (its own message is above it) and where the finished
+    runs are; the exit status is the run's."""
+    print(f"{tool}: {what} stopped (exit {err.returncode}; its message is above); the finished runs are in {table}, "
+          "and the same command goes on after them", file=sys.stderr)
+    return err.returncode or 1
+
+
 def run_tta(run_dir: Path) -> int:
     """The test-time augmentation level the run's final test used (its config.yaml's ``tta``)."""
     import yaml
@@ -142,6 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override of every variant")
     p.add_argument("--results", metavar="DIR", help="also record each run in DIR (results/) for the report")
     args = p.parse_args(argv)
+    check_settings(p, args.model, args.config, [[*args.set, *VARIANTS[v]] for v in args.variants])
     args.out.mkdir(parents=True, exist_ok=True)
     table = args.out / "ablation.csv"
     rows = read_rows(table)
@@ -149,7 +171,10 @@ def main(argv=None) -> int:
         for variant in args.variants:
             if any(r["variant"] == variant and r["seed"] == seed for r in rows):
                 continue
-            rows.append(run_one(variant, seed, args))
+            try:
+                rows.append(run_one(variant, seed, args))
+            except subprocess.CalledProcessError as err:
+                return run_stopped("zoo.bench.ablation", f"the {variant} run of seed {seed}", err, table)
             if args.results:  # the run's summary.json (and eval/metrics.json) as a results file
                 setting = " ".join(f"--set {o}" for o in (*args.set, *VARIANTS[variant]))
                 print(results.write(results.from_run(rows[-1]["run_dir"], setting=setting,

@@ -196,6 +196,7 @@ def main(argv=None) -> int:
     if not script.is_file():
         p.error(f"--anchor {args.anchor}: no airbench94_cpu.py there")
     args.precision = args.precision or default_precision()
+    ablation.check_settings(p, args.model, args.config, [[f"precision={args.precision}", *args.set]])
     bf16 = str(anchor_precision(args.precision))
     args.out.mkdir(parents=True, exist_ok=True)
     data = prepare_anchor_data(args.anchor, args.data_dir, args.out)
@@ -210,14 +211,17 @@ def main(argv=None) -> int:
         for side in order(seed):
             if any(r["seed"] == seed and r["side"] == side for r in rows):
                 continue
-            if side == "zoo":
-                rows.append(zoo_row(seed, args))
-                record = results.from_run(rows[-1]["run"], setting=f"--set precision={args.precision}",
-                                          command=command)
-            else:
-                found = run_anchor(script, data, "--epochs", str(epochs), "--seed", str(seed), "--bf16", bf16)
-                rows.append(anchor_row(seed, args.precision, epochs, found))
-                record = anchor_record(rows[-1], args.max_time, command)
+            try:
+                if side == "zoo":
+                    rows.append(zoo_row(seed, args))
+                    record = results.from_run(rows[-1]["run"], setting=f"--set precision={args.precision}",
+                                              command=command)
+                else:
+                    found = run_anchor(script, data, "--epochs", str(epochs), "--seed", str(seed), "--bf16", bf16)
+                    rows.append(anchor_row(seed, args.precision, epochs, found))
+                    record = anchor_record(rows[-1], args.max_time, command)
+            except subprocess.CalledProcessError as err:
+                return ablation.run_stopped("zoo.bench.anchor", f"the {side} run of seed {seed}", err, table)
             if args.results:
                 print(results.write(record, args.results))
             atomic_write_csv(table, FIELDS, rows)  # rewritten whole after each run: a stop loses no row
