@@ -258,3 +258,14 @@ def test_targets_pair_means_by_machine_and_give_the_best_of_the_rest():
         "| `vit_tiny` ≥ 0.78 from the hybrid teacher | `m` | 32 | 0.4 (`--set teacher=pretrained:hybrid_tiny`, seed 0) "
         "| no |",
         "| shipped `hybrid_tiny` ≥ 0.91 without TTA | `s` | — | 0.9123 | yes |"]
+
+
+def test_a_rows_runs_share_one_command_note_whatever_their_seed_or_records_folder():
+    from zoo.bench.report_tables import shown_command
+
+    base = "python -m zoo.bench.ablation --data-dir DATA --out OUT --seeds {} --variants recipe --model vit_tiny"
+    shown = {shown_command(base.format(s) + extra) for s in (0, 1, 2) for extra in ("", " --results results")}
+    assert shown == {base.format("S")}
+    anchor = "python -m zoo.bench.anchor --anchor ANCHOR_DIR --data-dir DATA --out OUT --seeds 0 1 2 --results results"
+    assert shown_command(anchor) == anchor.removesuffix(" --results results")  # several seeds: kept as run
+    assert shown_command(base.format(1) + " --set tta=0") == base.format("S") + " --set tta=0"

@@ -4,6 +4,7 @@ dicts, already validated) into markdown lines; ``zoo.bench.report`` puts them to
 from __future__ import annotations
 
 import itertools
+import re
 import statistics
 from collections.abc import Callable, Iterable
 
@@ -113,6 +114,12 @@ def standard_command(n: dict) -> str:
     return " ".join(p for p in parts if p)
 
 
+def shown_command(command: str) -> str:
+    """A run's command as a note shows it: without ``--results DIR`` (where its record went) and with one seed's
+    ``--seeds N`` as ``--seeds S`` (the row names its seeds), so the runs of a row share one note."""
+    return re.sub(r"--seeds \d+(?= -|$)", "--seeds S", re.sub(r" --results \S+", "", command))
+
+
 def _train_groups(results: list[dict]) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = {}
     for r in records_of(results, "train"):
@@ -136,7 +143,7 @@ def _accuracy_rows(groups: dict[tuple, list[dict]], notes: Notes, with_budget: b
         plain = [p for p in plain if p is not None]
         cell = (lambda v: ", ".join(num(x) for x in v) + (f"; {mean_sd(v, False)}" if len(v) > 1 else "") if v else "—")
         odd = [r["command"] for r in runs if r["command"] != standard_command(r["numbers"])]
-        refs = notes.cite(*dict.fromkeys([*(f"`{c}`" for c in odd), *(r.get("note") for r in runs)]))
+        refs = notes.cite(*dict.fromkeys([*(f"`{shown_command(c)}`" for c in odd), *(r.get("note") for r in runs)]))
         rows.append([f"`{model}`", *([_budget(budget)] if with_budget else []), f"`{machine}`",
                      f"`{setting}`" if setting else "", runs[0]["numbers"]["precision"],
                      ", ".join(str(r["numbers"]["seed"]) for r in runs),
@@ -159,8 +166,8 @@ def accuracy_section(results: list[dict]) -> list[str]:
            "Test top-1 on the 10,000 CIFAR-10 test images after a fixed wall-clock budget of training (validation "
            "included, the final test after it); the learning-rate schedule is fitted to the budget. Each row is "
            "`python train.py --model MODEL --config configs/cpu_budget.yaml --data-dir DATA --max-time BUDGET "
-           "[--seed S] SETTING` with the row's setting, unless a note gives another command. With TTA is what the "
-           "run's summary.json reports (mirror + translate test-time augmentation); without TTA is `eval.py "
+           "[--seed S] SETTING` (S: each of the row's seeds), unless a note gives another command. With TTA is "
+           "what the run's summary.json reports (mirror + translate test-time augmentation); without TTA is `eval.py "
            "--checkpoint` on the same weights. Several seeds: each, then mean ± sample sd."
            + (f" {earlier} earlier runs of recipes that have changed since stay in `results/` (`superseded_recipe`), "
               "out of these tables." if earlier else ""), "", "### 10 minutes", ""]
