@@ -116,7 +116,7 @@ def test_a_run_tested_without_tta_is_not_evaluated_again(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("argv, message", [
     (["--set", "optimizer_min_speed=0"], r"--set optimizer_min_speed=0: optimizer_min_speed must lie in \(0, 1\]"),
-    (["--variants", "recipe", "low_res"], "low_res_size=16 .*: hybrid_tiny takes no argument model_args.dynamic_img_size"),
+    (["--variants", "recipe", "low_res"], "low_res_size=16 .*: hybrid_tiny takes no argument model_args.dynamic"),
 ])
 def test_a_bad_setting_stops_the_ablation_before_its_first_run(tmp_path, monkeypatch, capsys, argv, message):
     """Every run's settings are resolved first: a bad one (here the second variant's) is one line and exit 2
