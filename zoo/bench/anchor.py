@@ -118,11 +118,16 @@ def anchor_record(row: dict, budget: str, command: str) -> dict:
                              f"by zoo.bench.anchor; it took {row['seconds']} s.")
 
 
+def zoo_settings(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides of the zoo's runs: the pairing's precision, then the command's own."""
+    return [f"precision={args.precision}", *args.set]
+
+
 def zoo_row(seed: int, args: argparse.Namespace) -> dict:
     """The zoo's run of ``seed`` (``ablation.run_one``'s recipe variant, in the pairing's precision)."""
     found = ablation.run_one("recipe", seed, argparse.Namespace(
         model=args.model, config=args.config, data_dir=args.data_dir, max_time=args.max_time, out=args.out,
-        set=[f"precision={args.precision}", *args.set]))
+        set=zoo_settings(args)))
     summary = json.loads((Path(found["run_dir"]) / "summary.json").read_text())
     return {"seed": seed, "side": "zoo", "model": args.model, "precision": found["precision"], "epochs":
             summary["epochs"], "steps": found["steps"], "train_images_per_s": found["train_images_per_s"],
@@ -196,7 +201,7 @@ def main(argv=None) -> int:
     if not script.is_file():
         p.error(f"--anchor {args.anchor}: no airbench94_cpu.py there")
     args.precision = args.precision or default_precision()
-    ablation.check_settings(p, args.model, args.config, [[f"precision={args.precision}", *args.set]])
+    ablation.check_settings(p, args.model, args.config, [zoo_settings(args)])
     bf16 = str(anchor_precision(args.precision))
     args.out.mkdir(parents=True, exist_ok=True)
     data = prepare_anchor_data(args.anchor, args.data_dir, args.out)
