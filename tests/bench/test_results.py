@@ -63,6 +63,9 @@ def test_machine_facts_without_bf16_flags():
     ({"command": "  "}, "command is empty"),
     ({"numbers": {"model": "vit_nano"}}, "numbers of a train result lack budget"),
     ({"versions": {"torch": "2.14.1"}}, "versions lacks python"),
+    ({"kind": "tried", "numbers": {"target": "t", "metric": "m", "budget": "b", "precision": "32",
+                                   "rows": [{"change": "c", "with": [0.5], "without": [0.4]}, {"change": "c"}]}},
+     r"numbers.rows\[1\] of a tried result lacks with, without"),
 ])
 def test_validate_names_what_is_wrong(change, message):
     with pytest.raises(ResultError, match=message):

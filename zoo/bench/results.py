@@ -28,7 +28,7 @@ import torch
 from ..atomic import atomic_write_text
 
 KINDS = ("train", "shipped", "model_info", "modes", "optimizer_cost", "muon", "suite", "sparse", "faithfulness",
-         "gpu", "compiled_step")
+         "gpu", "compiled_step", "tried")
 # The fields each kind's ``numbers`` must have; a kind measured as a table has ``rows``.
 REQUIRED = {
     "train": ("model", "budget", "setting", "precision", "seed", "steps", "train_images_per_s", "test_top1", "tta"),
@@ -36,7 +36,10 @@ REQUIRED = {
     "model_info": ("rows",), "modes": ("rows",), "optimizer_cost": ("rows",), "muon": ("rows",),
     "suite": ("attention_op", "whole_model"), "sparse": ("rows", "claims"), "faithfulness": ("rows",),
     "gpu": ("rows",), "compiled_step": ("rows",),
+    # a change tried toward a target: its metric per seed with it and without it (zoo.bench.report_targets)
+    "tried": ("target", "metric", "budget", "precision", "rows"),
 }
+ROW_FIELDS = {"tried": ("change", "with", "without")}  # what each of a kind's rows must have
 MACHINE_FIELDS = ("id", "cpu", "vendor", "family", "model", "flags", "cores", "memory_gib", "gpu")
 VERSION_FIELDS = ("python", "torch", "timm", "lightning", "zoo")
 FLAGS = ("avx512_bf16", "amx")  # what decides whether bf16 is native on a CPU
@@ -164,6 +167,10 @@ def validate(result: dict, where: str = "result") -> dict:
         raise ResultError(f"{where}: numbers of a {result['kind']} result lack {', '.join(lacking)}")
     if "rows" in numbers and (not isinstance(numbers["rows"], list) or not numbers["rows"]):
         raise ResultError(f"{where}: numbers.rows must be a non-empty list")
+    for i, row in enumerate(numbers.get("rows", [])):
+        lacking = [k for k in ROW_FIELDS.get(result["kind"], ()) if not isinstance(row, dict) or k not in row]
+        if lacking:
+            raise ResultError(f"{where}: numbers.rows[{i}] of a {result['kind']} result lacks {', '.join(lacking)}")
     return result
 
 
