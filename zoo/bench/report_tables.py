@@ -130,7 +130,8 @@ def _train_groups(results: list[dict]) -> dict[tuple, list[dict]]:
                                                               kv[0][2], kv[0][3]))}
 
 
-def _budget(budget: str) -> str:
+def budget_label(budget: str) -> str:
+    """"100 min" for a DD:HH:MM:SS budget; another budget ("12 epochs") as it is."""
     return f"{minutes(budget):g} min" if minutes(budget) < float("inf") else budget
 
 
@@ -144,7 +145,7 @@ def _accuracy_rows(groups: dict[tuple, list[dict]], notes: Notes, with_budget: b
         cell = (lambda v: ", ".join(num(x) for x in v) + (f"; {mean_sd(v, False)}" if len(v) > 1 else "") if v else "—")
         odd = [r["command"] for r in runs if r["command"] != standard_command(r["numbers"])]
         refs = notes.cite(*dict.fromkeys([*(f"`{shown_command(c)}`" for c in odd), *(r.get("note") for r in runs)]))
-        rows.append([f"`{model}`", *([_budget(budget)] if with_budget else []), f"`{machine}`",
+        rows.append([f"`{model}`", *([budget_label(budget)] if with_budget else []), f"`{machine}`",
                      f"`{setting}`" if setting else "", runs[0]["numbers"]["precision"],
                      ", ".join(str(r["numbers"]["seed"]) for r in runs),
                      num(round(statistics.mean(r["numbers"]["steps"] for r in runs))),

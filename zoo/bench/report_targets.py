@@ -8,7 +8,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from .report_tables import TEN_MINUTES, Notes, minutes, num, records_of, table
+from .report_tables import TEN_MINUTES, Notes, budget_label, minutes, num, records_of, table
 
 HYBRID, PORT = "hybrid_tiny", "airbench94"
 VIT_TARGET, VIT_TEACHER_TARGET, SHIPPED_TARGET = 0.72, 0.78, 0.91
@@ -94,10 +94,10 @@ def best_rows(results: list[dict], model: str, target: float, teacher: bool) -> 
 def shipped_rows(results: list[dict]) -> list[list]:
     """The shipped hybrid_tiny's test top-1 without TTA against its target; when not met, the hybrids' longer runs
     (without TTA) and the changes tried."""
-    longer = sorted((minutes(r["numbers"]["budget"]), r["numbers"]["model"], r["numbers"]["test_top1_plain"])
-                    for r in records_of(results, "train") if r["numbers"]["model"].startswith("hybrid")
-                    and r["numbers"]["budget"] != TEN_MINUTES and r["numbers"].get("test_top1_plain") is not None)
-    runs = ("; longer runs without TTA: " + ", ".join(f"`{m}` {t:g} min {num(x)}" for t, m, x in longer)
+    longer = sorted((minutes(n["budget"]), n["model"], n["budget"], n["test_top1_plain"])
+                    for n in (r["numbers"] for r in records_of(results, "train")) if n["model"].startswith("hybrid")
+                    and n["budget"] != TEN_MINUTES and n.get("test_top1_plain") is not None)
+    runs = ("; longer runs without TTA: " + ", ".join(f"`{m}` {budget_label(b)} {num(x)}" for _, m, b, x in longer)
             if longer else "")
     rows = []
     for r in records_of(results, "shipped"):
@@ -136,7 +136,7 @@ def tried_section(results: list[dict]) -> list[str]:
         for row in n["rows"]:
             values = [", ".join(num(x) for x in row[side]) or "—" for side in ("with", "without")]
             rows.append([n["target"], row["change"], f"`{r['machine']['id']}`", n["precision"],
-                         f"{minutes(n['budget']):g} min", row.get("metric", n["metric"]),
+                         budget_label(n["budget"]), row.get("metric", n["metric"]),
                          ", ".join(str(s) for s in row.get("seeds", [])), *values, _difference(row),
                          "yes" if row.get("kept") else "no", ref])
     if not rows:
