@@ -5,6 +5,7 @@ the data, never off a hand-written figure."""
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import defaultdict
 
@@ -16,8 +17,9 @@ VIT_TARGET, VIT_TEACHER_TARGET, SHIPPED_TARGET = 0.72, 0.78, 0.91
 PAIRING_GOAL = f"`{HYBRID}` above the airbench94 port"
 SHIPPED_GOAL = f"shipped `{HYBRID}` ≥ {SHIPPED_TARGET} without TTA"
 TEACHER = "teacher=pretrained:hybrid_tiny"
-# settings that name the precision alone (zoo.bench.anchor gives it with --set)
-PRECISION_ONLY = ("ZOO_NATIVE_BF16=0", "--precision 32", "--set precision=32", "--set precision=bf16-mixed")
+# the words of a setting that name the precision alone: the native-bf16 switch, --precision, or --set precision=
+# (as zoo.bench.anchor gives it)
+PRECISION_ONLY = re.compile(r"ZOO_NATIVE_BF16=[01]|--precision \S+|--set precision=\S+")
 
 
 def _precision(value: str) -> str:
@@ -40,9 +42,7 @@ def show_mean_se(values: list[float]) -> str:
 
 def _is_recipe(setting: str) -> bool:
     """Whether a hybrid_tiny run is the plain CPU recipe (its setting changes the precision at most)."""
-    for words in PRECISION_ONLY:
-        setting = setting.replace(words, "")
-    return not setting.strip()
+    return not PRECISION_ONLY.sub("", setting).strip()
 
 
 def _ten_minute_runs(results: list[dict]) -> list[dict]:
