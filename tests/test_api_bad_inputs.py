@@ -14,10 +14,10 @@ from torch import nn
 
 import zoo
 from zoo import KVCache, MultiHeadAttention
+from zoo.data import ImageData
 from zoo.explain import AttentionRecording
 from zoo.masks import padding_mask, sliding_window_mask
-from zoo.train.data import ImageDataModule
-from zoo.train.device import eval_device
+from zoo.runtime.device import eval_device
 from zoo.train.recipe import Recipe
 from zoo.train.warmstart import init_from
 
@@ -138,7 +138,7 @@ TRAINING = [
     ("init_partial='yes'", lambda: Recipe(init_partial="yes"), ValueError, r"init_partial must be true or false"),
     ("unknown recipe key", lambda: Recipe.from_dict({"learning_rate": 1}), ValueError,
      r"unknown config key 'learning_rate'"),
-    ("data splits", lambda: ImageDataModule("x", splits=("train",)), ValueError, r"splits must be"),
+    ("data splits", lambda: ImageData("x", splits=("train",)), ValueError, r"splits must be"),
     ("eval device bogus", lambda: eval_device("bogus"), ValueError, r"--device must be cpu, cuda or cuda:N, got"),
     ("eval device meta", lambda: eval_device("meta"), ValueError, r"evaluation runs on cpu or cuda"),
     ("eval device cuda:99", lambda: eval_device("cuda:99"), ValueError, r"--device cuda:99: (no CUDA|only \d)"),

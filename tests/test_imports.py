@@ -1,7 +1,9 @@
-"""The package's shape, checked from outside: what ``import zoo`` loads and registers (in fresh interpreters, so
-nothing this test session imported hides a heavy import), that figures never switch matplotlib's backend, and
-the layering of DESIGN.md read from the source with ``ast``: arrows run downward only, a few small modules at
-the top, no oversized module, and every subpackage says what it holds."""
+"""The package's shape, checked from outside: what ``import zoo`` loads and registers, and what evaluating a run
+loads (in fresh interpreters, so nothing this test session imported hides a heavy import), that figures never switch
+matplotlib's backend, and the layering of docs/design.md read from the source with ``ast``: arrows run downward
+only, no import cycle, a few small modules at the top, Lightning used and not rewritten (no subclass of its classes
+but the public LightningModule, no private attribute of it or torchmetrics read), and every subpackage says what it
+holds."""
 
 from __future__ import annotations
 
@@ -110,12 +112,25 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for annotations only: no dependency
+    at run time)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and dotted(node.test).endswith("TYPE_CHECKING"):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
 def imported_modules(path: Path) -> set[str]:
     """Every module ``path`` imports (at the top or inside functions), relative imports resolved."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -142,11 +157,13 @@ ALLOWED = {
     "interop": {"models"},
     "masks": {"layers"},
     "atomic": set(),
+    "runtime": {"runtime", "atomic"},
+    "data": {"data", "atomic"},
     "layers": {"layers"},
     "models": {"models", "layers"},
-    "train": {"train", "models", "layers", "atomic"},
-    "bench": {"bench", "train", "models", "layers", "atomic"},
-    "explain": {"explain", "bench", "train", "models", "layers", "atomic"},  # eval's report times models
+    "train": {"train", "data", "runtime", "models", "layers", "atomic"},
+    "bench": {"bench", "data", "runtime", "models", "layers", "atomic"},
+    "explain": {"explain", "bench", "data", "runtime", "models", "layers", "atomic"},  # eval's report times models
 }
 MODULES = sorted(ZOO.rglob("*.py"))
 
@@ -169,7 +186,7 @@ def test_the_layering_check_sees_relative_and_function_level_imports():
     """The checker itself: relative imports at any depth and imports inside functions are resolved."""
     path = ZOO / "bench" / "suite.py"
     found = imported_modules(path)
-    assert {"zoo.bench.timing", "zoo.layers.attention", "zoo.models", "zoo.train.data"} <= found
+    assert {"zoo.bench.timing", "zoo.layers.attention", "zoo.models", "zoo.data"} <= found
     assert "zoo.interop" in imported_modules(ZOO / "__init__.py")
 
 
@@ -178,14 +195,95 @@ def test_few_modules_at_the_top():
     assert len(top) <= 3, top
 
 
-MAX_LINES = 400
+def test_no_import_cycle():
+    """The graph of zoo's module imports (top-level and inside functions alike) has no cycle: a deferred import is
+    never needed to break one. A package's ``__init__`` re-exporting its own modules is not an edge back."""
+    graph = {module_name(p): {m for m in imported_modules(p) if m.startswith("zoo")} for p in MODULES}
+    names, packages = set(graph), {module_name(p) for p in MODULES if p.name == "__init__.py"}
+
+    def target(imported: str) -> str | None:  # "zoo.train.loop.fit" -> "zoo.train.loop"
+        while imported and imported not in names:
+            imported = imported.rpartition(".")[0]
+        return imported or None
+
+    # a package's __init__ importing its own modules, and a module importing from its own package, are not edges
+    edges = {name: {t for m in imports if (t := target(m)) and t != name and not name.startswith(t + ".")
+                    and not (name in packages and t.startswith(name + "."))}
+             for name, imports in graph.items()}
+    done, path = set(), []
+
+    def visit(node: str) -> None:
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            visit(nxt)
+        path.pop()
+        done.add(node)
+
+    for node in sorted(edges):
+        visit(node)
 
 
-def test_no_module_over_400_lines():
-    lines = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in MODULES}
-    biggest = max(lines, key=lines.get)
-    over = {p: n for p, n in lines.items() if n > MAX_LINES}
-    assert over == {}, f"over {MAX_LINES} lines: {over} (biggest: {biggest})"
+def lightning_names(tree: ast.AST) -> set[str]:
+    """The local names a module binds to Lightning's or torchmetrics' objects (``import lightning.pytorch as pl``,
+    ``from lightning.fabric import Fabric``)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("lightning", "torchmetrics"):
+            found |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.asname or alias.name.split(".")[0] for alias in node.names
+                      if alias.name.split(".")[0] in ("lightning", "torchmetrics")}
+    return found
+
+
+def dotted(node: ast.AST) -> str:
+    return f"{dotted(node.value)}.{node.attr}" if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(REPO)))
+def test_lightning_is_used_not_rewritten(path):
+    """No class of the zoo subclasses one of Lightning's but the public LightningModule ``ImageClassifier``; no
+    private name of Lightning or torchmetrics is imported; and a module that uses them reads no private attribute
+    (``x._name``) of anything but its own objects (``self``)."""
+    tree = ast.parse(path.read_text())
+    names = lightning_names(tree)
+    subclasses = [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                  for base in node.bases if dotted(base).split(".")[0] in names]
+    assert subclasses in ([], ["ImageClassifier"]), subclasses
+    private_imports = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                       and (node.module or "").split(".")[0] in ("lightning", "torchmetrics")
+                       for alias in node.names if alias.name.startswith("_")]
+    private_imports += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                        and (node.module or "").split(".")[0] in ("lightning", "torchmetrics")
+                        and any(part.startswith("_") for part in node.module.split("."))]
+    assert private_imports == []
+    if names:
+        private = sorted({dotted(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                          and node.attr.startswith("_") and not node.attr.startswith("__")
+                          and dotted(node.value) != "self"})
+        assert private == [], private
+
+
+def test_loading_a_run_for_evaluation_loads_no_training_module(tiny_run, tmp_path):
+    """``zoo.load_run`` and eval.py --checkpoint (its metrics and figures) leave no module of training (the loop,
+    its optimizers, the compiled step, the LightningModule) in ``sys.modules``."""
+    code = f"""
+import json, sys
+import zoo
+model, meta = zoo.load_run({str(tiny_run)!r})
+after_load = sorted(m for m in sys.modules if m.startswith("zoo.train"))
+from zoo.explain.cli import main
+code = main(["--checkpoint", {str(tiny_run)!r}, "--out", {str(tmp_path / "eval")!r}, "--device", "cpu",
+             "--max-test-images", "16"])
+after_eval = sorted(m for m in sys.modules if m.startswith("zoo.train"))
+print(json.dumps(dict(code=code, after_load=after_load, after_eval=after_eval)))
+"""
+    seen = run_python(code)
+    assert seen["code"] == 0 and seen["after_load"] == [] and seen["after_eval"] == []
 
 
 @pytest.mark.parametrize("init", sorted(ZOO.rglob("__init__.py")), ids=lambda p: str(p.relative_to(REPO)))

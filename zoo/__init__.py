@@ -3,10 +3,13 @@
 The package is layered; arrows run downward only::
 
     train.py / eval.py (front ends)
+      -> zoo.train                   training on Lightning Fabric: recipes, the loop, runs
       -> zoo.explain, zoo.bench      explaining trained models; timing and memory
-      -> zoo.train                   Lightning training: recipes, data, runs
+      -> zoo.data, zoo.runtime       the images (read, cached, augmented); the machine (device, processes)
       -> zoo.models                  model families, registry (also timm's), checkpoints, interop
       -> zoo.layers                  attention, masks, position, CBAM: blocks for any model
+
+(zoo.train and zoo.explain import neither the other.)
 
 ``import zoo`` loads torch, einops and timm only, and registers every model in timm's registry as
 ``zoo_<name>``; the explaining names below (``record_attention``, ``attention_rollout``) are loaded on first

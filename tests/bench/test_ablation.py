@@ -1,4 +1,4 @@
-"""The recipe's ablation (zoo.bench.ablation) without training: each variant is the recipe with only its own
+"""The recipe's ablation (benchmarks.ablation) without training: each variant is the recipe with only its own
 keys changed, the command line is the goal's, the table's means and paired differences match a hand
 computation, and a finished (variant, seed) is read back so a stopped ablation resumes."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import ablation
 from zoo.atomic import atomic_write_csv
-from zoo.bench import ablation
 from zoo.train.recipe import parse_set, resolve_config
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "cpu_budget.yaml")
@@ -115,7 +115,7 @@ def test_a_run_tested_without_tta_is_not_evaluated_again(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--set", "optimizer_min_speed=0"], r"--set optimizer_min_speed=0: optimizer_min_speed must lie in \(0, 1\]"),
+    (["--set", "ema_decay=2"], r"--set ema_decay=2: ema_decay must lie in \[0, 1\)"),
     (["--variants", "recipe", "low_res"], "low_res_size=16 .*: hybrid_tiny takes no argument model_args.dynamic"),
 ])
 def test_a_bad_setting_stops_the_ablation_before_its_first_run(tmp_path, monkeypatch, capsys, argv, message):

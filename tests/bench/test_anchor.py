@@ -1,4 +1,4 @@
-"""zoo.bench.anchor pairs the zoo's CPU recipe with the airbench94 port: the anchor's epochs fill the budget by its
+"""benchmarks.anchor pairs the zoo's CPU recipe with the airbench94 port: the anchor's epochs fill the budget by its
 own bench (checked against the arithmetic by hand), the sides alternate by seed, the anchor runs with the zoo's
 malloc settings and the chosen precision, a stopped pairing resumes without rerunning a finished side, and the
 records it writes are valid results. The anchor here is a stand-in script with the real one's command line; the
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zoo.bench import anchor, results
+from benchmarks import anchor, results
 
 FAKE_ANCHOR = textwrap.dedent("""
     import argparse, json, os, sys

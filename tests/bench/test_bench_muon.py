@@ -1,4 +1,4 @@
-"""zoo.bench.muon: the Newton-Schulz FLOP count against torch's FLOP counter on torch's own iteration, and the floor
+"""benchmarks.muon: the Newton-Schulz FLOP count against torch's FLOP counter on torch's own iteration, and the floor
 as that count over the matmul rate."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 from torch.utils.flop_counter import FlopCounterMode
 
-from zoo.bench import muon as bench
+from benchmarks import muon as bench
 
 
 @pytest.mark.parametrize("shapes", [[(576, 192)], [(192, 768), (64, 3, 3, 3)], [(8, 8), (5, 40), (40, 5)]])

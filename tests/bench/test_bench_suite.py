@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from zoo.bench import report_tables
-from zoo.bench.results import from_suite
+from benchmarks import report_tables
+from benchmarks.results import from_suite
 from zoo.bench.suite import attention_candidates, baseline_vit, run_suite, timm_vit_like
 from zoo.models import create_model
 
@@ -97,7 +97,7 @@ def test_quick_suite_writes_every_section_and_memory_claims_hold(cifar_dir, tmp_
     assert all(positive(row["measured"]) for c, row in claims.items() if c not in gpu_only)
     assert any("hybrid_tiny" in c for c in claims)
 
-    record = from_suite(saved, "python eval.py --bench-suite --out OUT")   # as results/ and the report take it
+    record = from_suite(saved, "python -m benchmarks.suite --out OUT")   # as results/ and the report take it
     numbers = record["numbers"]
     four_digits = {"rel": 5e-4}  # a record keeps 4 significant digits
     assert numbers["attention_op"][0] == pytest.approx({k: op[k] for k in ("n", "zoo_ms", "timm_ms", "floor_ms")},

@@ -1,4 +1,4 @@
-"""zoo.bench.compiled_step: a row is built from two processes that share one new compile cache folder, the first
+"""benchmarks.compiled_step: a row is built from two processes that share one new compile cache folder, the first
 process's op counts, and each process's own compile seconds and cache counts (the processes themselves compile, and
 are run by the slow tests and the command)."""
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from zoo.bench import compiled_step as bench
-from zoo.bench import results
+from benchmarks import compiled_step as bench
+from benchmarks import results
 
 
 def test_a_row_pairs_a_first_and_a_second_process_on_one_cache_folder():
@@ -30,7 +30,7 @@ def test_a_row_pairs_a_first_and_a_second_process_on_one_cache_folder():
 
 
 def test_the_record_kind_is_known():
-    record = results.make("compiled_step", "t", "python -m zoo.bench.compiled_step", {"rows": [{"model": "m"}]})
+    record = results.make("compiled_step", "t", "python -m benchmarks.compiled_step", {"rows": [{"model": "m"}]})
     assert results.validate(record)["kind"] == "compiled_step"
 
 

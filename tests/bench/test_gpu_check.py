@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.bench.anchor import side_by_side
-from zoo.bench.gpu_check import ANCHOR_DIR, CUDA_TEST_FILES, epoch_times, time_to
-from zoo.bench.gpu_check import main as gpu_check_main
+from benchmarks.anchor import side_by_side
+from benchmarks.gpu_check import ANCHOR_DIR, CUDA_TEST_FILES, epoch_times, time_to
+from benchmarks.gpu_check import main as gpu_check_main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ def test_without_a_gpu_the_real_check_refuses_in_one_line(tmp_path, capsys):
 
 def test_steps_not_begun_within_the_time_limit_are_reported_and_the_report_is_written_after_each(tmp_path,
                                                                                                   monkeypatch):
-    from zoo.bench import gpu_check
+    from benchmarks import gpu_check
 
     seen = []
 
@@ -116,7 +116,7 @@ def test_steps_not_begun_within_the_time_limit_are_reported_and_the_report_is_wr
 
 
 def test_a_step_subprocess_past_its_time_is_stopped_and_its_output_kept(tmp_path):
-    from zoo.bench.gpu_check import _run
+    from benchmarks.gpu_check import _run
 
     log = tmp_path / "step.log"
     with pytest.raises(RuntimeError, match="time limit"):
@@ -127,7 +127,7 @@ def test_a_step_subprocess_past_its_time_is_stopped_and_its_output_kept(tmp_path
 def test_device_time_counts_kernels_not_the_annotations_that_span_them():
     from types import SimpleNamespace
 
-    from zoo.bench.gpu_check import device_kernels
+    from benchmarks.gpu_check import device_kernels
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     events = [SimpleNamespace(key="gemm", device_type=cuda, is_user_annotation=False),
@@ -139,7 +139,7 @@ def test_device_time_counts_kernels_not_the_annotations_that_span_them():
 def test_host_launches_count_a_graph_replay_once_not_its_kernels():
     from types import SimpleNamespace
 
-    from zoo.bench.gpu_check import device_kernels, host_launches
+    from benchmarks.gpu_check import device_kernels, host_launches
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     events = [SimpleNamespace(key="gemm", device_type=cuda, is_user_annotation=False, count=40),

@@ -1,4 +1,4 @@
-"""zoo.bench.modes: every mode runs a real training step (the weights move) and the table's ratios are the
+"""benchmarks.modes: every mode runs a real training step (the weights move) and the table's ratios are the
 ratios of its throughputs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo.bench.modes import bench_modes, mode_steps, optimizer_costs
+from benchmarks.modes import bench_modes, mode_steps, optimizer_costs
 
 EAGER_MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true")
 

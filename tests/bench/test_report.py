@@ -15,12 +15,9 @@ from pathlib import Path
 import pytest
 
 import zoo
-from zoo.bench import report, report_tables, results
+from benchmarks import report, report_tables, results
 
 REPO = Path(__file__).resolve().parents[2]
-USER_TEXT = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "CONTRIBUTING.md",
-             *sorted((REPO / "docs").glob("*.md"))]
-
 
 @pytest.fixture(scope="module")
 def committed() -> list[dict]:
@@ -29,13 +26,13 @@ def committed() -> list[dict]:
 
 def test_benchmarks_md_is_the_rendering_of_results(committed):
     assert (REPO / "BENCHMARKS.md").read_text() == report.render_benchmarks(committed), \
-        "BENCHMARKS.md is out of date: run python -m zoo.bench.report"
+        "BENCHMARKS.md is out of date: run python -m benchmarks.report"
 
 
 def test_readme_table_is_the_rendering_of_results(committed):
     readme = (REPO / "README.md").read_text()
     assert report.replace_readme_table(readme, report.readme_table(committed)) == readme, \
-        "README's results table is out of date: run python -m zoo.bench.report"
+        "README's results table is out of date: run python -m benchmarks.report"
 
 
 def readme_rows() -> dict[str, list[str]]:
@@ -135,29 +132,16 @@ def test_mean_sd_is_the_sample_sd():
     assert report_tables.mean_sd([0.736]) == "0.736 (n=1)"
 
 
-def test_front_door_shape():
+def test_the_front_door_runs_what_ci_runs_and_its_links_lead_somewhere():
+    """README's test command is the one CI runs; every relative link of README, CONTRIBUTING and docs/ resolves."""
     readme = (REPO / "README.md").read_text()
-    assert len(readme.splitlines()) <= 120
-    assert len((REPO / "BENCHMARKS.md").read_text().splitlines()) <= 380  # one table per measured kind, kept short
-    figure = REPO / "docs" / "figure.png"
-    assert "](docs/figure.png)" in readme and figure.stat().st_size < 400_000
-    assert "python -m zoo.explain.readme_figure" in readme   # the command that redraws it
     tests = [line.strip() for line in readme.splitlines() if line.strip().startswith("python -m pytest")]
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
           if line.strip().startswith("python -m pytest")]
     assert tests == ["python -m pytest"] and ci == tests   # one test command, the one CI runs
-    assert "https://download.pytorch.org/whl/cpu" in readme
     for path in (REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))):
         for link in re.findall(r"\]\(([^)#:]+)\)", path.read_text()):   # relative links lead somewhere
             assert (path.parent / link).exists(), f"{path.name}: {link}"
-
-
-@pytest.mark.parametrize("path", USER_TEXT, ids=lambda p: p.name)
-def test_user_text_has_no_machine_paths_or_notebook_words(path):
-    text = path.read_text()
-    for pattern in (r"\.\./shared", r"/work/", r"\bround (one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
-                    r"twelve|\d+)\b", r"\bsession\b", r"\bissue\b"):
-        assert not re.search(pattern, text, re.IGNORECASE), f"{path.name}: {pattern}"
 
 
 def test_a_later_board_of_a_model_in_the_same_setting_replaces_its_rows(committed):
@@ -237,7 +221,7 @@ def test_targets_pair_means_by_machine_and_give_the_best_of_the_rest():
     """Hand-computed: hybrid 0.72 / 0.74 (mean 0.73, se 0.01) against the port 0.60 / 0.62 (0.61, se 0.01): +0.12 ±
     0.0141, met; a hybrid run with another optimizer and one of another precision stay out of the pairing; the best
     vit_tiny without a teacher (0.55 of 0.50 and 0.55) and with one (0.40), each below its target."""
-    from zoo.bench import report_targets
+    from benchmarks import report_targets
 
     def run(model, top1, setting="", precision="32", machine="m", seed=0, tta=True):
         return {"kind": "train", "machine": {"id": machine}, "command": "c", "numbers": {
@@ -265,8 +249,8 @@ def test_what_was_tried_pairs_seeds_and_is_counted_in_each_unmet_target():
     against two: the difference of the means, 0.90 - 0.775 = +0.1250; a speed as the ratio of the means, 462 / 420 =
     1.10×. The unmet pairing and shipped rows count the changes tried toward each (3 and 1), and the shipped row
     names the hybrids' longer runs without TTA; a met target counts none. A run that names its precision with --set
-    (as zoo.bench.anchor does) is the recipe's."""
-    from zoo.bench import report_targets as T
+    (as benchmarks.anchor does) is the recipe's."""
+    from benchmarks import report_targets as T
 
     def run(model, top1, machine="m", budget="00:00:10:00", plain=None, setting="", precision="32"):
         return {"kind": "train", "machine": {"id": machine}, "command": "c", "numbers": {
@@ -277,7 +261,7 @@ def test_what_was_tried_pairs_seeds_and_is_counted_in_each_unmet_target():
         return {"kind": "tried", "machine": {"id": "z"}, "command": "python x.py", "date": "2026-12-01", "numbers": {
             "target": target, "metric": "top-1", "budget": budget, "precision": "32", "rows": list(rows)}}
 
-    bf16 = {"setting": "--set precision=bf16-mixed", "precision": "bf16-mixed"}  # as zoo.bench.anchor runs it
+    bf16 = {"setting": "--set precision=bf16-mixed", "precision": "bf16-mixed"}  # as benchmarks.anchor runs it
     records = [run("hybrid_tiny", 0.70), run("airbench94", 0.80), run("hybrid_tiny", 0.99, "n", **bf16),
                run("hybrid_tiny", 0.97, "n", **bf16), run("airbench94", 0.50, "n", precision="bf16"),
                run("airbench94", 0.52, "n", precision="bf16"),
@@ -306,11 +290,11 @@ def test_what_was_tried_pairs_seeds_and_is_counted_in_each_unmet_target():
 
 
 def test_a_rows_runs_share_one_command_note_whatever_their_seed_or_records_folder():
-    from zoo.bench.report_tables import shown_command
+    from benchmarks.report_tables import shown_command
 
-    base = "python -m zoo.bench.ablation --data-dir DATA --out OUT --seeds {} --variants recipe --model vit_tiny"
+    base = "python -m benchmarks.ablation --data-dir DATA --out OUT --seeds {} --variants recipe --model vit_tiny"
     shown = {shown_command(base.format(s) + extra) for s in (0, 1, 2) for extra in ("", " --results results")}
     assert shown == {base.format("S")}
-    anchor = "python -m zoo.bench.anchor --anchor ANCHOR_DIR --data-dir DATA --out OUT --seeds 0 1 2 --results results"
+    anchor = "python -m benchmarks.anchor --anchor ANCHOR_DIR --data-dir DATA --out OUT --seeds 0 1 2 --results results"
     assert shown_command(anchor) == anchor.removesuffix(" --results results")  # several seeds: kept as run
     assert shown_command(base.format(1) + " --set tta=0") == base.format("S") + " --set tta=0"

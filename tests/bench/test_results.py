@@ -1,4 +1,4 @@
-"""zoo.bench.results: machine facts read from /proc texts (against hand-read values), validation of a record
+"""benchmarks.results: machine facts read from /proc texts (against hand-read values), validation of a record
 (each missing or wrong field refused by name), write / read round trips, a training run's summary.json as a
 record, and the benchmark mains' conversions of their rows (against hand-built rows)."""
 
@@ -9,8 +9,9 @@ import json
 import pytest
 import yaml
 
-from zoo.bench import modes, results, sparse
-from zoo.bench.results import ResultError
+from benchmarks import modes, results
+from benchmarks import sparse as recorded_sparse
+from benchmarks.results import ResultError
 
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -168,7 +169,7 @@ def test_modes_rows_become_one_column_per_mode():
              "fp32_img_s": 200.0, "bf16_true_img_s": 150.0, "bf16_true_vs_fp32": 0.75}]
     optimizer_rows = [{"model": "vit_nano", "precision": "32", "optimizer": o, "muon_dtype": "float32", "vs_adamw": v}
                       for o, v in (("adamw", 1.0), ("muon", 0.9))]
-    found, cost = modes.results_records(rows, optimizer_rows, "python -m zoo.bench.modes", keep_freed_memory=True)
+    found, cost = modes.results_records(rows, optimizer_rows, "python -m benchmarks.modes", keep_freed_memory=True)
     assert found["kind"] == "modes" and cost["kind"] == "optimizer_cost"
     assert found["numbers"]["keep_freed_memory"] is cost["numbers"]["keep_freed_memory"] is True
     row = found["numbers"]["rows"][0]
@@ -184,7 +185,7 @@ def test_sparse_rows_become_one_record_per_mode():
         {"n": 1024, "window": 64, "mode": "fwd", "banded_ms": 5.0}],
         "claims": [{"claim": "window ±64 training, auto >= 3x faster", "measured": 8.46, "unit": "x speed (fwd+bwd)"},
                    {"claim": "window ±64 inference, flex >= 3x faster", "measured": 5.6, "unit": "x speed (fwd)"}]}
-    training, inference = sparse.results_records(found, "python -m zoo.bench.sparse")
+    training, inference = recorded_sparse.results_records(found, "python -m benchmarks.sparse")
     assert training["numbers"]["rows"] == [{"n": 1024, "dense": {"ms": 30.0, "mib": 9.0},
                                             "banded": {"ms": 15.0, "mib": 10.0}}]   # the ±64 row's banded
     assert [c["measured"] for c in training["numbers"]["claims"]] == ["8.46x"]
@@ -193,12 +194,12 @@ def test_sparse_rows_become_one_record_per_mode():
 
 
 def test_gpu_check_report_becomes_a_gpu_record(tmp_path):
-    from zoo.bench import gpu_check
+    from benchmarks import gpu_check
 
     report = {"dry_run": False, "skipped": ["suite"], "environment": {"ok": True, "memory_gb": 139.0},
               "vit_tiny": {"ok": True, "train_img_s": 5000.0, "run": "runs/x", "seconds": 60.0},
               "speedrun": {"ok": False, "error": "boom", "seconds": 1.0}}
-    (found,) = gpu_check.results_records(report, tmp_path, "python -m zoo.bench.gpu_check --out OUT")
+    (found,) = gpu_check.results_records(report, tmp_path, "python -m benchmarks.gpu_check --out OUT")
     assert found["kind"] == "gpu"
     assert found["numbers"]["rows"] == [{"step": "vit_tiny", "measure": "train_img_s", "value": 5000.0},
                                         {"step": "vit_tiny", "measure": "seconds", "value": 60.0}]
@@ -206,20 +207,20 @@ def test_gpu_check_report_becomes_a_gpu_record(tmp_path):
 
 def test_command_line_quotes_arguments_and_keeps_the_bf16_switch(monkeypatch):
     monkeypatch.delenv("ZOO_NATIVE_BF16", raising=False)
-    assert results.command_line("zoo.bench.modes", ["--models", "vit_nano", "--set", "a b"]) == \
-        "python -m zoo.bench.modes --models vit_nano --set 'a b'"
+    assert results.command_line("benchmarks.modes", ["--models", "vit_nano", "--set", "a b"]) == \
+        "python -m benchmarks.modes --models vit_nano --set 'a b'"
     monkeypatch.setenv("ZOO_NATIVE_BF16", "0")
-    assert results.command_line("zoo.bench.muon", []) == "ZOO_NATIVE_BF16=0 python -m zoo.bench.muon"
+    assert results.command_line("benchmarks.muon", []) == "ZOO_NATIVE_BF16=0 python -m benchmarks.muon"
     assert results.command_line("eval.py", ["--bench-suite"]) == "ZOO_NATIVE_BF16=0 python eval.py --bench-suite"
 
 
 def test_a_recorded_command_names_placeholders_not_the_machines_folders(monkeypatch):
     monkeypatch.delenv("ZOO_NATIVE_BF16", raising=False)
     argv = ["--data-dir", "/home/me/cifar10", "--out=/tmp/x y", "--seeds", "0", "--cache-dir", "c", "--set", "out=1"]
-    assert results.command_line("zoo.bench.ablation", argv) == (
-        "python -m zoo.bench.ablation --data-dir DATA --out=OUT --seeds 0 --cache-dir CACHE --set out=1")
-    assert results.command_line("zoo.bench.anchor", ["--anchor", "../anchors/airbench94_cpu", "--seeds", "0"]) == (
-        "python -m zoo.bench.anchor --anchor ANCHOR_DIR --seeds 0")
+    assert results.command_line("benchmarks.ablation", argv) == (
+        "python -m benchmarks.ablation --data-dir DATA --out=OUT --seeds 0 --cache-dir CACHE --set out=1")
+    assert results.command_line("benchmarks.anchor", ["--anchor", "../anchors/airbench94_cpu", "--seeds", "0"]) == (
+        "python -m benchmarks.anchor --anchor ANCHOR_DIR --seeds 0")
 
 
 def test_significant_rounds_every_float_to_four_digits_and_leaves_the_rest():

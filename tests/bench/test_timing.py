@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from zoo import bench
-from zoo.train import device as device_module  # interleaved_medians reads its clock there
+from zoo.runtime import timing as timing_module
 
 
 class FakeClock:
@@ -33,7 +33,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(device_module, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
+    monkeypatch.setattr(timing_module, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
     return fake
 
 

@@ -168,7 +168,7 @@ def test_train_bad_input(what, args, match, places, tmp_path, capsys):
 def test_a_refused_init_from_fails_before_the_precision_probe(places, tmp_path, capsys, monkeypatch):
     """--precision auto measures fp32 against bf16 for seconds on a CPU with native bf16: a --init-from that
     cannot load is refused before that (and before the run directory exists)."""
-    import zoo.train.fit as fit
+    import zoo.train.loop as fit
 
     monkeypatch.setattr(fit, "resolve_precision", lambda *a: pytest.fail("chose a precision first"))
     args = ["--model", "vit_nano", "--set", "model_args.depth=16", *TWO, "--init-from", "{ckpt}"]
@@ -209,8 +209,6 @@ EVAL_CASES = [
     ("faithfulness-images 0", ["--faithfulness", "{run}", "--faithfulness-images", "0"],
      r"--faithfulness-images must be >= 1, got 0"),
     ("faithfulness, a run twice", ["--faithfulness", "{run}", "{run}"], r"--faithfulness got the same run more"),
-    ("results without the suite", ["--checkpoint", "{run}", "--results", "{tmp}/results"],
-     r"--results records the measurement of --bench-suite"),
     ("faithfulness, a missing run", ["--faithfulness", "{run}", "{tmp}/none"], r"no checkpoint at .*none"),
     ("faithfulness, other classes", ["--faithfulness", "{run}", "--data-dir", "{two}"],
      r"has the classes \['cat', 'dog'\], the run was trained on"),

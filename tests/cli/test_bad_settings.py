@@ -1,5 +1,5 @@
 """Settings that reach the model, the loss or the optimizer are checked when the recipe is resolved: each bad
-one ends train.py with one line on stderr and exit code 2 before the run starts (``zoo.train.fit.fit`` is
+one ends train.py with one line on stderr and exit code 2 before the run starts (``zoo.train.loop.fit`` is
 replaced by a failure here, so a check that came later, after the data were decoded, fails the test). A
 ``--set`` value and a config file are read by one YAML loader, so a tag that would build a Python object is
 refused the same way in both, and runs nothing."""
@@ -61,9 +61,9 @@ def places(tmp_path) -> dict[str, str]:
 
 @pytest.mark.parametrize("what, args, match", CASES, ids=[c[0] for c in CASES])
 def test_a_bad_setting_is_one_line_before_the_run_starts(what, args, match, places, tmp_path, capsys, monkeypatch):
-    import zoo.train.fit
+    import zoo.train.loop
 
-    monkeypatch.setattr(zoo.train.fit, "fit", lambda recipe: pytest.fail("the run started"))
+    monkeypatch.setattr(zoo.train.loop, "fit", lambda recipe: pytest.fail("the run started"))
     model = [] if "--model" in args else ["--model", "vit_nano"]
     argv = [*model, *[a.format(**places) for a in args], "--data-dir", str(tmp_path / "no-data"), "--out",
             str(tmp_path / "runs")]

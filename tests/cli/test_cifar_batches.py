@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torchvision
 
-from zoo.train.data import DataError
-from zoo.train.data.cifar import read_cifar_batches, read_label_names
+from zoo.data import DataError
+from zoo.data.cifar import read_cifar_batches, read_label_names
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))

@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 
+from zoo.data import ImageData
 from zoo.train import cli
 from zoo.train.checks import FLOAT32_MAX, INT64_MAX, MAX_MINUTES
-from zoo.train.data import ImageDataModule
 from zoo.train.recipe import AugmentConfig, Recipe
 
 SKIP = {"model"}  # given by --model
@@ -39,8 +39,8 @@ def train(monkeypatch, tmp_path, capsys):
     def reached(self, *args, **kwargs):
         raise DataReached
 
-    monkeypatch.setattr(ImageDataModule, "prepare_data", reached)
-    monkeypatch.setattr(ImageDataModule, "setup", reached)
+    monkeypatch.setattr(ImageData, "prepare_data", reached)
+    monkeypatch.setattr(ImageData, "setup", reached)
 
     def run(key: str, value: str, route: str = "--set") -> tuple[int | None, list[str]]:
         # flags outrank --set: the folders go in as --set values too, which the key under test then overrides

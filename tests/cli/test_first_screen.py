@@ -10,13 +10,12 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from zoo.train.forecast import RunForecast, format_duration, long_schedule_settings
+from zoo.train.clock import RunClock
+from zoo.train.progress import format_duration, long_schedule_settings, plan_lines
 from zoo.train.recipe import resolve_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,37 +126,31 @@ def test_torchs_cuda_notice_on_a_cpu_is_filtered_and_other_warnings_are_not():
     plain = subprocess.run([sys.executable, "-c", code.format(quiet="")], cwd=REPO, capture_output=True, text=True,
                            env=env, timeout=120)
     assert "No CUDA runtime is found" in plain.stderr  # what a CPU user saw
-    quiet = "from zoo.train.quiet import quiet_libraries; quiet_libraries(); "
+    quiet = "from zoo.runtime.console import quiet_libraries; quiet_libraries(); "
     filtered = subprocess.run([sys.executable, "-c", code.format(quiet=quiet)], cwd=REPO, capture_output=True,
                               text=True, env=env, timeout=120)
     assert "No CUDA runtime is found" not in filtered.stderr and "another warning" in filtered.stderr
 
 
-def fake_run(recipe, steps_per_epoch: int, val_batches: int = 10, global_step: int = 4):
-    trainer = SimpleNamespace(global_step=global_step, estimated_stepping_batches=recipe.epochs * steps_per_epoch,
-                              num_training_batches=steps_per_epoch, accumulate_grad_batches=1,
-                              num_val_batches=[val_batches], is_global_zero=True, progress_bar_callback=None,
-                              precision="bf16-mixed", callbacks=[])
-    return trainer, SimpleNamespace(eval_passes=2)
-
-
-def announce(recipe, step_time: float, budget_s=None, steps_per_epoch: int = 351):
-    forecast = RunForecast(recipe, "cpu", "a test CPU", budget_s=budget_s)
-    trainer, module = fake_run(recipe, steps_per_epoch)
-    forecast._fit_t0 = __import__("time").perf_counter()
-    forecast.step_time = step_time
-    forecast._announce(trainer, module)
-    return forecast, trainer, module
+def announce(recipe, step_time: float, budget_s=None, steps_per_epoch: int = 351, done: int = 4):
+    """The plan lines of a run ``done`` steps in, 351 steps an epoch, 10 validation batches of two TTA passes each,
+    a step timed at ``step_time`` s before training; and its clock."""
+    timed = RunClock(budget_s=budget_s, scheduled_steps=recipe.epochs * steps_per_epoch,
+                     steps_per_epoch=steps_per_epoch, val_batches=10, eval_passes=2, step_s=step_time)
+    lines = plan_lines(recipe, accelerator="cpu", machine="a test CPU", precision="bf16-mixed",
+                       steps=timed.run_steps(done), done=done, steps_per_epoch=steps_per_epoch, budget_s=budget_s,
+                       train_s=timed.remaining_s(done), test_s=0.0, test_images=0, eval_passes=2,
+                       step_seconds=f"{step_time} s a step", timed_before=True)
+    return timed, lines
 
 
 def test_a_long_cpu_run_names_the_cpu_sized_command_and_its_time_adds_up():
     recipe = resolve_config("vit_tiny", None, [], {"data_dir": "DATA"})
-    forecast, trainer, module = announce(recipe, step_time=2.0)
+    timed, (plan, hint) = announce(recipe, step_time=2.0)
     steps = recipe.epochs * 351
     # by hand: steps left x step time + one validation per epoch left (a third of a step per batch and TTA pass)
     expected = (steps - 4) * 2.0 + math.ceil((steps - 4) / 351) * (2.0 / 3 * 2 * 10)
-    assert forecast.remaining_s(trainer, module) == pytest.approx(expected)
-    plan, hint = forecast.lines
+    assert timed.remaining_s(4) == pytest.approx(expected)
     assert f"{recipe.epochs} epochs x 351 steps = {steps:,} steps" in plan
     assert format_duration(expected).split()[0] in plan  # the hours
     assert hint.endswith("python train.py --model vit_tiny --data-dir DATA --config configs/cpu_budget.yaml "
@@ -167,35 +160,28 @@ def test_a_long_cpu_run_names_the_cpu_sized_command_and_its_time_adds_up():
 def test_a_budget_far_below_a_regularised_schedule_says_so_and_the_cpu_recipe_does_not():
     recipe = resolve_config("hybrid_tiny", None, [], {"max_time": "00:00:08:00"})
     assert long_schedule_settings(recipe)  # the model's own recipe regularises for 150 epochs
-    forecast, _, _ = announce(recipe, step_time=1.0, budget_s=480.0)
+    _, lines = announce(recipe, step_time=1.0, budget_s=480.0)
     # by hand: (480 s - a validation of 2/3 * 2 passes * 10 batches) / (1 s + that / 351 steps) steps
     val = 1.0 / 3 * 2 * 10
     steps = int((480 - val) / (1.0 + val / 351)) + 4
-    assert f"{steps:,} steps (about {steps / 351:.2g} of the recipe's 150 epochs" in forecast.lines[0]
-    assert "add --config configs/cpu_budget.yaml" in forecast.lines[1]
+    assert f"{steps:,} steps (about {steps / 351:.2g} of the recipe's 150 epochs" in lines[0]
+    assert "add --config configs/cpu_budget.yaml" in lines[1]
     short = resolve_config("hybrid_tiny", str(REPO / "configs" / "cpu_budget.yaml"), [], {"max_time": "00:00:08:00"})
     assert long_schedule_settings(short) == []
-    assert len(announce(short, step_time=1.0, budget_s=480.0)[0].lines) == 1
+    assert len(announce(short, step_time=1.0, budget_s=480.0)[1]) == 1
 
 
 def test_the_bar_counts_the_steps_a_budget_buys_and_a_resumed_runs_fitted_schedule():
-    """With --max-time the bar's total is the steps the budget buys: before TimeBudget has fitted its schedule, from
-    the probe's step time by TimeBudget's own formula (worked by hand here); once fitted, or restored from a resumed
-    run's checkpoint, TimeBudget's step count."""
-    from zoo.train.callbacks import LossProgressBar, TimeBudget
-
+    """With --max-time the bar's total is the steps the budget buys: before the budget is fitted to measured steps,
+    from the probe's step time by the budget's own formula (worked by hand here); once fitted, or restored from a
+    resumed run's checkpoint, the fitted step count."""
     recipe = resolve_config("vit_tiny", None, [], {"max_time": "00:00:10:00"})
-    budget = TimeBudget(600.0)
-    forecast = RunForecast(recipe, "cpu", "a test CPU", budget_s=600.0, probe_step_s=2.0)
-    trainer, module = fake_run(recipe, steps_per_epoch=351)
-    trainer.callbacks, trainer.lightning_module = [budget, forecast], module
-    forecast._fit_t0 = time.perf_counter()  # as on_fit_start
-    forecast.on_train_start(trainer, module)  # the plan line, from the probe's 2 s a step
-    bar = LossProgressBar()
+    timed, _ = announce(recipe, step_time=2.0, budget_s=600.0)
     val = 2.0 / 3 * 2 * 10  # a validation pass: a third of a step per batch and TTA pass, 10 batches
-    assert bar.run_steps(trainer) == 4 + int((600 - val) / (2.0 + val / 351))
-    budget.load_state_dict({"step_time": 1.5, "val_time": 3.0, "total_steps": 123, "elapsed": 100.0})
-    assert bar.run_steps(trainer) == 123
+    assert timed.run_steps(4) == 4 + int((600 - val) / (2.0 + val / 351))
+    timed.load_state_dict({**timed.state_dict(), "step_time": 1.5, "val_time": 3.0, "total_steps": 123,
+                           "elapsed": 100.0})
+    assert timed.run_steps(4) == 123
 
 
 def first_line_within(code: str, seconds: float) -> str | None:
@@ -216,7 +202,7 @@ def test_output_into_a_pipe_goes_out_line_by_line():
     # the process sleeps far longer than the wait, so "first" can only arrive by line buffering; the wait covers
     # importing torch and timm on a slow or busy CPU (14 s on a quiet Zen 1, over 30 s under load)
     waits = "print('first'); import time; time.sleep(600)"
-    assert first_line_within(f"from zoo.train.console import line_buffered_output; line_buffered_output(); {waits}",
+    assert first_line_within(f"from zoo.runtime.console import line_buffered_output; line_buffered_output(); {waits}",
                              180) == "first"
     assert first_line_within(waits, 2) is None  # Python's own block buffer: what the CLIs change
 
@@ -249,8 +235,8 @@ def test_the_zoos_warnings_are_one_line_and_the_libraries_keep_pythons_form(monk
 
     import torch.nn.functional
 
-    from zoo.train.data import cache
-    from zoo.train.quiet import zoo_warnings_in_one_line
+    from zoo.data import cache
+    from zoo.runtime.console import zoo_warnings_in_one_line
 
     monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # put back after the test
     zoo_warnings_in_one_line("eval.py")

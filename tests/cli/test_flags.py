@@ -1,7 +1,7 @@
 """train.py's flags come from the recipe's fields: every recipe key is a flag with its doc line in --help, a flag
 sets the same value as ``--set`` of that key, flags win over --set and --config whatever their order, and
-``--print-config`` prints the resolved recipe, which loads back to an equal one. fit.py hands the recipe's values to
-the LightningModule by name: the module's hyper-parameters are the recipe's."""
+``--print-config`` prints the resolved recipe, which loads back to an equal one. A run's checkpoint loads into the
+LightningModule with the recipe's values as its hyper-parameters."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ def test_every_recipe_key_is_a_flag_with_its_doc_line(capsys):
     for key in keys:
         assert f"--{key.replace('_', '-')} " in text, key
     assert "--logger " in text and "--print-config" in text
-    assert " ".join(Recipe.__dataclass_fields__["optimizer_min_speed"].metadata["doc"].split()) in text
+    assert " ".join(Recipe.__dataclass_fields__["muon_dtype"].metadata["doc"].split()) in text
 
 
 @pytest.mark.parametrize("flag, value, key", [
@@ -62,20 +63,25 @@ def test_flags_win_over_set_and_config_in_any_order(tmp_path, capsys):
     assert Recipe.from_yaml(path).to_dict() == seen
 
 
-def test_the_module_gets_the_recipes_values_by_name(tmp_path):
-    from zoo.train.fit import RunPlan, build_module
+def test_a_runs_checkpoint_loads_into_the_lightning_module_with_the_recipes_values(tmp_path, image_tree_writer,
+                                                                                     run_train):
+    from zoo.train import ImageClassifier
 
-    recipe = Recipe.from_dict({"model": "vit_nano", "lr": 0.0123, "weight_decay": 0.01, "momentum": 0.8,
-                               "optimizer": "sgd", "schedule": "linear", "tta": 1, "label_smoothing": 0.2,
-                               "min_lr_ratio": 0.1, "no_decay_lr_scale": 2.0, "warmup_epochs": 2.0, "epochs": 8,
-                               "model_args": {"depth": 1}, "img_size": 32, "muon_dtype": "float32"})
-
-    class Data:  # what build_module reads of a data module
-        num_classes = 3
-
-    hp = build_module(RunPlan(recipe, "cpu", "32", tmp_path, None), Data()).hparams
-    expected = {"model_name": "vit_nano", "model_args": {"depth": 1, "img_size": 32}, "num_classes": 3, "lr": 0.0123,
-                "weight_decay": 0.01, "momentum": 0.8, "optimizer": "sgd", "schedule": "linear", "tta": 1,
-                "label_smoothing": 0.2, "min_lr_ratio": 0.1, "no_decay_lr_scale": 2.0, "warmup_frac": 0.25,
-                "muon_dtype": "float32", "channels_last": False, "compile": False}
-    assert {key: hp[key] for key in expected} == expected
+    tree = image_tree_writer(tmp_path / "tree", 16, counts=(("train", 2), ("test", 1)), classes=3)
+    done = run_train(["--model", "vit_nano", "--data-dir", tree, "--img-size", "16", "--lr", "0.0123",
+                      "--weight-decay", "0.01", "--momentum", "0.8", "--optimizer", "sgd", "--tta", "1",
+                      "--label-smoothing", "0.2", "--set", "no_decay_lr_scale=2.0", "--set", "model_args.depth=1",
+                      "--muon-dtype", "float32", "--epochs", "1", "--batch-size", "2", "--set", "val_size=2",
+                      "--precision", "32", "--out", tmp_path / "runs", "--cache-dir", tmp_path / "cache"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = (tmp_path / "runs" / "vit_nano").iterdir()
+    module = ImageClassifier.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu")
+    expected = {"model_name": "vit_nano", "model_args": {"drop_path_rate": 0.05, "depth": 1, "img_size": 16},
+                "num_classes": 3, "lr": 0.0123,
+                "weight_decay": 0.01, "momentum": 0.8, "optimizer": "sgd", "tta": 1, "label_smoothing": 0.2,
+                "no_decay_lr_scale": 2.0, "muon_dtype": "float32", "channels_last": False}
+    assert {key: module.hparams[key] for key in expected} == expected
+    weights = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    for key, value in module.state_dict().items():
+        if key.startswith("model."):
+            torch.testing.assert_close(value, weights[key], rtol=0, atol=0)

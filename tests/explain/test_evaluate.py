@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import zoo
 from zoo.bench.dispatch import OpRecorder
+from zoo.data import ImageData
 from zoo.explain.report import evaluate
-from zoo.train.data import ImageDataModule
 
 
 def test_metrics_equal_a_hand_count_and_reads_do_not_grow_with_the_batches(tmp_path, image_tree_writer):
@@ -18,7 +18,7 @@ def test_metrics_equal_a_hand_count_and_reads_do_not_grow_with_the_batches(tmp_p
     model = zoo.create_model("vit_nano", num_classes=10, embed_dim=32, depth=1, num_heads=2, img_size=16).eval()
     reads = {}
     for batch_size in (8, 20):  # 5 batches, then 2
-        dm = ImageDataModule(tree, img_size=16, batch_size=batch_size, val_size=2, cache_dir=tmp_path / "cache")
+        dm = ImageData(tree, img_size=16, batch_size=batch_size, val_size=2, cache_dir=tmp_path / "cache")
         dm.setup("test")
         with OpRecorder() as ops:
             metrics, matrix = evaluate(model, dm)

@@ -119,7 +119,7 @@ def test_a_cbam_gate_lower_on_the_object_is_said_to_suppress_it():
 def test_class_names_that_read_as_mathtext_are_drawn_as_written(tmp_path, capsys):
     """A class folder named like matplotlib mathtext ($\\bogus$) made saving the figure fail with an error whose
     text opens with a blank line; it is drawn as written, and eval.py's error line never comes out empty."""
-    from zoo.train.console import error_line
+    from zoo.runtime.console import error_line
 
     names = ["$\\bogus$", "plain", "a $b$ c"]
     viz.save(viz.confusion_matrix_figure(torch.eye(3), names), tmp_path / "matrix.png")

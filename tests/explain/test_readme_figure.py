@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.bench import results
+from benchmarks import results
 from zoo.explain import readme_figure
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zoo.bench import results
+from benchmarks import results
 from zoo.explain import report_figure
-from zoo.train.tta import REPORTED_TTA
+from zoo.models.tta import REPORTED_TTA
 
 REPO = Path(__file__).resolve().parents[2]
 PICTURE = REPO / "docs" / "report.png"

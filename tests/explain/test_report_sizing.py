@@ -71,10 +71,10 @@ def test_report_is_sized_by_its_flags_and_counts_each_pass_on_a_pipe(tree, tmp_p
 
     # TTA is README's level, by its formula, on the same seeded 4 images
     assert metrics["tta_level"] == model_card("vit_nano")["tta_level"] == 2
-    from zoo.train.data.run_data import data_module_for
+    from zoo.data.run_data import data_for_run
 
     model, meta = load_shipped("vit_nano")
-    dm = data_module_for(meta, data_dir=str(tree), max_test_images=4, cache_dir=str(tmp_path / "cache"))
+    dm = data_for_run(meta, data_dir=str(tree), max_test_images=4, cache_dir=str(tmp_path / "cache"))
     dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
     images, labels = dm.test_dataset.images, dm.test_dataset.labels
     with torch.no_grad():

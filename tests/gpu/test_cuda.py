@@ -1,4 +1,4 @@
-"""What only a CUDA GPU can show (``pytest -m cuda``; skipped without one; ``python -m zoo.bench.gpu_check`` runs
+"""What only a CUDA GPU can show (``pytest -m cuda``; skipped without one; ``python -m benchmarks.gpu_check`` runs
 them): every attention backend forward and backward in bf16 / fp16 autocast against fp32 on the GPU, flex's compiled
 backward among them, CBAM and the hybrid under autocast against fp32, and training steps that never make the host
 wait (``torch.cuda.set_sync_debug_mode("error")`` turns every synchronising call into an error)."""
@@ -89,30 +89,29 @@ def test_training_steps_never_wait_for_the_gpu(optimizer):
 
 
 def test_a_cuda_graphed_training_step_trains_as_the_eager_one():
-    """``compile: step`` on CUDA replays the forward and backward as CUDA graphs. Four steps in Lightning's order
+    """``compile: step`` on CUDA replays the forward and backward as CUDA graphs. Four steps in the loop's order
     (forward, gradients set to None, backward, a fused SGD step; warm-up, recording, then replays into the same
     memory, the last step's gradients still held during the next forward): each step's loss and gradients match
-    the eager module's in fp32 at the same weights, and a step's loss is not overwritten by later replays."""
-    from zoo.train.module import ImageClassifier
+    the eager model's in fp32 at the same weights, and a step's loss is not overwritten by later replays."""
+    from zoo.train.step import compiled_train_loss, train_loss
 
-    modules = []
-    for compile in (False, "step"):
+    models = []
+    for _ in range(2):
         torch.manual_seed(0)
-        module = ImageClassifier("hybrid_tiny", num_classes=10, compile=compile, channels_last=True).to(CUDA)
-        module.log = module.log_dict = lambda *a, **k: None
-        modules.append(module)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, fused=True) for m in modules]
+        models.append(zoo.create_model("hybrid_tiny", num_classes=10).to(CUDA, memory_format=torch.channels_last))
+    steps = (train_loss, compiled_train_loss("cuda"))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, fused=True) for m in models]
     g = torch.Generator(device=CUDA).manual_seed(0)
     batches = [(torch.randn(32, 3, 32, 32, device=CUDA, generator=g), torch.randint(0, 10, (32,), device=CUDA,
                                                                                       generator=g)) for _ in range(4)]
     kept = []
     for batch in batches:
         losses = []
-        for module, optimizer in zip(modules, optimizers, strict=True):
-            losses.append(module._shared_step(batch, "train"))
+        for model, step, optimizer in zip(models, steps, optimizers, strict=True):
+            losses.append(step(model, *batch, 0.0, torch.channels_last)[0])
             optimizer.zero_grad(set_to_none=True)
             losses[-1].backward()
-        eager, graphed = ([p.grad for p in m.model.parameters()] for m in modules)
+        eager, graphed = ([p.grad for p in m.parameters()] for m in models)
         assert all(_relative(b, a) < 1e-2 for a, b in zip(eager, graphed, strict=True))  # fp32 (TF32 may be on)
         assert _relative(losses[1], losses[0]) < 1e-3
         for optimizer in optimizers:
@@ -120,6 +119,6 @@ def test_a_cuda_graphed_training_step_trains_as_the_eager_one():
         # the graphed weights set to the eager ones in place (its graphs read them there): float differences in
         # the two gradients would otherwise grow step by step
         with torch.no_grad():
-            torch._foreach_copy_(list(modules[1].model.parameters()), list(modules[0].model.parameters()))
+            torch._foreach_copy_(list(models[1].parameters()), list(models[0].parameters()))
         kept.append(losses[1])
     assert all(torch.isfinite(k) for k in kept) and len({float(k) for k in kept}) == len(kept)

@@ -1,24 +1,28 @@
-"""A helper the distributed tests launch (plainly, under Lightning's DDP, torchrun or simulated SLURM); not a test.
+"""A helper the distributed tests launch (plainly, under Fabric's own launcher, torchrun or simulated SLURM); not a
+test.
 
-    python ddp_driver.py train TRAIN_ARGS...   train.py's main with a recorder: each rank writes
-        $ZOO_TEST_RECORD/rank<R>.json (the (global step, learning rate) of every optimizer step, the time budget's
-        fitted step count, batches per epoch) and rank<R>.pt (its final weights), and every summary.json / config.yaml
-        write is logged to writes-rank<R>.txt. ZOO_TEST_SKEW=S makes rank 1 start its clock S seconds late;
-        ZOO_TEST_NAN_AT=K flags a non-finite loss on rank 1 alone at step K; ZOO_TEST_MEASURE=SKIP,STEPS makes the
-        time budget measure the step time over STEPS steps after SKIP (a short test reaches its decision sooner).
-    python ddp_driver.py test CKPT DATA_DIR N DEVICES CACHE_DIR   eval.py --checkpoint CKPT on N test images (its
-        files in $ZOO_TEST_RECORD/eval), then Lightning's test of CKPT (``lightning_test``) with DEVICES CPU
-        processes; rank 0 writes $ZOO_TEST_RECORD/test.json with the logged metrics."""
+    python ddp_driver.py train TRAIN_ARGS...   train.py's main with a recorder among the loop's callbacks: each rank
+        writes $ZOO_TEST_RECORD/rank<R>.json (the (global step, learning rate) of every optimizer step, the time
+        budget's fitted step count, batches per epoch) and rank<R>.pt (its final weights), and every summary.json /
+        config.yaml / checkpoint write is logged to writes-rank<R>.txt. ZOO_TEST_SKEW=S makes rank 1 start training
+        S seconds late; ZOO_TEST_NAN_AT=K flags a non-finite loss on rank 1 alone at step K; ZOO_TEST_MEASURE=
+        SKIP,STEPS makes the clock measure the step time over STEPS steps after SKIP (a short test reaches its
+        decision sooner).
+    python ddp_driver.py test CKPT DATA_DIR N CACHE_DIR   eval.py --checkpoint CKPT on N test images (its files in
+        $ZOO_TEST_RECORD/eval), then the same checkpoint tested on every process of the launch by the loop's own
+        evaluation (``loop.evaluate`` on Fabric) and by a plain ``lightning.Trainer`` with ``ImageClassifier``; rank
+        0 writes $ZOO_TEST_RECORD/test.json with both."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-import lightning.pytorch as pl
 import torch
 
 RECORD = Path(os.environ.get("ZOO_TEST_RECORD", "."))
@@ -30,45 +34,33 @@ def rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-class Recorder(pl.Callback):
+class Recorder:
     def __init__(self):
         self.steps: list[tuple[int, float]] = []
 
-    def on_train_start(self, trainer, pl_module):
-        if trainer.global_rank == 1:  # before the time budget's clock starts (this callback comes first)
+    def on_train_start(self, run):
+        if run.fabric.global_rank == 1:
             time.sleep(float(os.environ.get("ZOO_TEST_SKEW", 0)))
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps.append((trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]))
-        if trainer.global_rank == 1 and str(trainer.global_step) == os.environ.get("ZOO_TEST_NAN_AT"):
-            pl_module.first_bad_step.fill_(trainer.global_step)  # as if rank 1 alone had seen a NaN loss here
+    def on_train_batch_end(self, run):
+        step = run.position.step
+        self.steps.append((step, run.optimizer.param_groups[0]["lr"]))
+        if run.fabric.global_rank == 1 and str(step) == os.environ.get("ZOO_TEST_NAN_AT"):
+            run.first_bad_step.fill_(step)  # as if rank 1 alone had seen a NaN loss here
 
-    def on_train_end(self, trainer, pl_module):
-        from zoo.train.callbacks import TimeBudget
-
-        budget = next((c for c in trainer.callbacks if isinstance(c, TimeBudget)), None)
-        record = {"global_step": trainer.global_step, "steps": self.steps,
-                  "total_steps": budget.total_steps if budget else None,
-                  "batches_per_epoch": trainer.num_training_batches, "world_size": trainer.world_size}
-        (RECORD / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
-        torch.save(pl_module.state_dict(), RECORD / f"rank{trainer.global_rank}.pt")
+    def on_train_end(self, run):
+        record = {"global_step": run.position.step, "steps": self.steps, "total_steps": run.clock.total_steps,
+                  "batches_per_epoch": run.steps_per_epoch, "world_size": run.fabric.world_size}
+        (RECORD / f"rank{run.fabric.global_rank}.json").write_text(json.dumps(record))
+        torch.save(run.net.state_dict(), RECORD / f"rank{run.fabric.global_rank}.pt")
 
 
 def train(argv: list[str]) -> int:
-    from zoo.train import cli, fit, runs
-    from zoo.train.callbacks import TimeBudget
+    from zoo.train import cli, loop, runs
+    from zoo.train.clock import RunClock
 
-    build_callbacks, write_json, write = fit.build_callbacks, fit.atomic_write_json, runs.atomic_write
-    write_text = runs.atomic_write_text  # config.yaml
-
-    def with_recorder(plan, *args, **kwargs):  # build_callbacks' own arguments, whatever they are
-        callbacks = build_callbacks(plan, *args, **kwargs)
-        callbacks.all.insert(0, Recorder())
-        if os.environ.get("ZOO_TEST_MEASURE"):
-            skip, steps = map(int, os.environ["ZOO_TEST_MEASURE"].split(","))
-            for budget in (c for c in callbacks.all if isinstance(c, TimeBudget)):
-                budget.skip_steps, budget.measure_steps = skip, steps
-        return callbacks
+    if os.environ.get("ZOO_TEST_MEASURE"):
+        RunClock.SKIP, RunClock.MEASURE = map(int, os.environ["ZOO_TEST_MEASURE"].split(","))
 
     def logged(writer):
         def write_logged(path, *args):
@@ -77,26 +69,53 @@ def train(argv: list[str]) -> int:
             return writer(path, *args)
         return write_logged
 
-    fit.build_callbacks, fit.atomic_write_json, runs.atomic_write = with_recorder, logged(write_json), logged(write)
-    runs.atomic_write_text = logged(write_text)
+    loop.atomic_write_json = logged(loop.atomic_write_json)  # summary.json
+    runs.atomic_write = logged(runs.atomic_write)  # checkpoints
+    runs.atomic_write_text = logged(runs.atomic_write_text)  # config.yaml
+    loop.fit = functools.partial(loop.fit, callbacks=[Recorder()])
     return cli.main(argv)
 
 
-def lightning_test(ckpt: str, data_dir: str, num_images: int, devices: int, cache_dir: str) -> dict | None:
-    """Lightning's test of a run's checkpoint (without test-time augmentation) on ``num_images`` seeded test images
-    with ``devices`` CPU processes; the logged metrics on rank 0, None on the others."""
-    from zoo.train.data import ImageDataModule
-    from zoo.train.module import ImageClassifier
+def test(ckpt: str, data_dir: str, num_images: int, cache_dir: str) -> dict | None:
+    """The checkpoint (without test-time augmentation) on ``num_images`` seeded test images, on every process of
+    this launch: the loop's evaluation and Lightning's test; their metrics on rank 0, None on the others."""
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader
+
+    from zoo.data import ImageData
+    from zoo.data.samplers import ContiguousShard
+    from zoo.models import load_run
+    from zoo.train import ImageClassifier, loop
+    from zoo.train.clock import RunClock
+    from zoo.train.progress import Progress
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", precision="32-true")
+    fabric.launch()
+    model, meta = load_run(ckpt)
+    data = ImageData(data_dir, max_test_images=num_images, eval_batch_size=64, splits=("test",), cache_dir=cache_dir)
+    data.use_normalization(meta["summary"]["mean"], meta["summary"]["std"])
+    data.setup("test")
+    loader = data.test_dataloader()
+    run = SimpleNamespace(fabric=fabric, net=model, data=data, ema=None, memory_format=torch.contiguous_format,
+                          progress=Progress(False), clock=RunClock(budget_s=None, scheduled_steps=1, steps_per_epoch=1,
+                                                                   val_batches=0),
+                          plan=SimpleNamespace(recipe=SimpleNamespace(label_smoothing=meta["summary"]["label_smoothing"],
+                                                                      tta=0)))
+    scores = loop.evaluate(run, loader, len(loader), "on_test_batch_start", "Testing")
 
     module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", tta=0)
-    dm = ImageDataModule(data_dir, max_test_images=num_images, eval_batch_size=64, splits=("test",),
-                         cache_dir=cache_dir)
-    summary = json.loads((Path(ckpt).parent.parent / "summary.json").read_text())
-    dm.use_normalization(summary["mean"], summary["std"])
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
-    results = trainer.test(module, datamodule=dm, verbose=False)[0]
-    return {k: float(v) for k, v in results.items()} if trainer.is_global_zero else None
+    images = data.normalize(data.test_dataset.images)
+    dataset = torch.utils.data.TensorDataset(images, data.test_dataset.labels)
+    shard = ContiguousShard(dataset, world, fabric.global_rank)  # unpadded: each image counted once
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    results = trainer.test(module, DataLoader(dataset, batch_size=64 // world or 1, sampler=shard), verbose=False)[0]
+    if not trainer.is_global_zero:
+        return None
+    return {"loop": {f"test/{key}": scores[key] for key in ("top1", "top5", "loss")},
+            "lightning": {k: float(v) for k, v in results.items()}}
 
 
 if __name__ == "__main__":
@@ -107,9 +126,9 @@ if __name__ == "__main__":
     from zoo.explain.cli import main as eval_main
 
     code = eval_main(["--checkpoint", args[0], "--data-dir", args[1], "--max-test-images", args[2], "--cache-dir",
-                      args[4], "--device", "cpu", "--batch-size", "64", "--out", str(RECORD / "eval")])
+                      args[3], "--device", "cpu", "--batch-size", "64", "--out", str(RECORD / "eval")])
     if code:
         sys.exit(code)
-    results = lightning_test(args[0], args[1], int(args[2]), int(args[3]), args[4])
+    results = test(args[0], args[1], int(args[2]), args[3])
     if results is not None:
         (RECORD / "test.json").write_text(json.dumps(results))

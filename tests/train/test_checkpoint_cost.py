@@ -1,79 +1,98 @@
-"""Checkpoint writes out of the measured step: training throughput leaves out the seconds the checkpoint writer
-spent (a scripted clock), and last.ckpt is written on a wall-clock interval and at the end, not after every
-validation (the writes of a real run counted)."""
+"""Checkpoint writes out of the measured step: training throughput leaves out the seconds checkpoint writes and
+validation take (a scripted clock, by hand), and last.ckpt is written on a wall-clock interval, every N steps and at
+the end, not after every validation (the writes of a real run counted)."""
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import train
-from zoo.train import callbacks, runs
+from zoo.train import clock, loop
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
+def test_throughput_leaves_out_checkpoint_writes_and_validation_by_hand(monkeypatch):
+    time = {"now": 0.0}
+    monkeypatch.setattr(clock, "now", lambda: time["now"])
+    timed = clock.RunClock(budget_s=None, scheduled_steps=100, steps_per_epoch=5, val_batches=1)
+    timed.start(0)
+    cpu = torch.device("cpu")
+    for step in range(1, 5):
+        time["now"] += 1.0  # one training step: 1 s, 8 images
+        timed.images += 8
+        if step == 2:
+            with timed.paused(cpu):  # an interval checkpoint between steps
+                time["now"] += 10.0
+    with timed.validation(cpu):
+        time["now"] += 5.0
+    with timed.paused(cpu):  # best.ckpt, written after validation
+        time["now"] += 10.0
+    time["now"] += 1.0
+    timed.images += 8
+    timed.epoch_ended()
+    assert timed.val_time == 5.0 and timed.elapsed() == 30.0
+    assert timed.trained_seconds() == pytest.approx(5.0)
+    assert timed.images_per_s() == pytest.approx(40 / 5.0)
+    assert timed.later_images_per_s() is None  # one epoch: nothing after the first
+    for _ in range(2):  # a second epoch: 2 steps of 0.5 s
+        time["now"] += 0.5
+        timed.images += 8
+    assert timed.later_images_per_s() == pytest.approx(16 / 1.0)
+    assert timed.images_per_s() == pytest.approx(56 / 6.0)
+    resumed = clock.RunClock(budget_s=None, scheduled_steps=100, steps_per_epoch=5, val_batches=1)
+    resumed.load_state_dict(timed.state_dict())  # a resumed run counts the images and seconds before it
+    resumed.start(7)
+    time["now"] += 2.0
+    resumed.images += 16
+    assert resumed.images_per_s() == pytest.approx(72 / 8.0) and resumed.elapsed() == pytest.approx(33.0)
 
-    def __call__(self) -> float:
-        return self.now
 
+def test_a_runs_summary_leaves_the_checkpoint_writes_out_of_its_images_per_second(cifar_dir, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A scripted clock: each training step 1 s, each checkpoint write 10 s, everything else nothing."""
+    time = {"now": 0.0}
+    monkeypatch.setattr(clock, "now", lambda: time["now"])
+    real_save = loop.save_checkpoint
 
-def test_throughput_leaves_out_checkpoint_writes(tmp_path, monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(callbacks.time, "perf_counter", clock)
-    monkeypatch.setattr(runs.time, "perf_counter", clock)
+    def slow_save(path, state):
+        time["now"] += 10.0
+        real_save(path, state)
 
-    def slow_write(path, write):  # a checkpoint write that takes 10 scripted seconds
-        clock.now += 10.0
+    class Steps:
+        def on_train_batch_start(self, run):
+            time["now"] += 1.0
 
-    monkeypatch.setattr(runs, "atomic_write", slow_write)
-    io = runs.AtomicCheckpointIO()
-    throughput = callbacks.Throughput(io)
-    trainer, module = SimpleNamespace(world_size=1), SimpleNamespace(device=torch.device("cpu"))
-    batch = (torch.zeros(8, 1), torch.zeros(8))
-    throughput.on_train_epoch_start(trainer, module)
-    for i in range(4):
-        clock.now += 1.0  # one training step: 1 s
-        throughput.on_train_batch_end(trainer, module, None, batch, i)
-        if i == 1:
-            io.save_checkpoint({}, tmp_path / "last.ckpt")  # an interval checkpoint between steps
-    throughput.on_validation_start(trainer, module)
-    clock.now += 5.0  # validation
-    throughput.on_validation_end(trainer, module)
-    io.save_checkpoint({}, tmp_path / "best.ckpt")  # written after validation, on the training clock
-    clock.now += 1.0
-    throughput.on_train_batch_end(trainer, module, None, batch, 4)
-    throughput.on_train_epoch_end(trainer, module)
-    assert io.write_seconds == 20.0
-    assert throughput.train_s == pytest.approx(5.0)
-    assert throughput.images_per_s == pytest.approx(40 / 5.0)
-    assert throughput.later_images_per_s is None  # one epoch: nothing after the first
-    throughput.on_train_epoch_start(trainer, module)  # a second epoch: 2 steps of 0.5 s
-    for i in range(2):
-        clock.now += 0.5
-        throughput.on_train_batch_end(trainer, module, None, batch, i)
-    throughput.on_train_epoch_end(trainer, module)
-    assert throughput.later_images_per_s == pytest.approx(16 / 1.0)
-    assert throughput.images_per_s == pytest.approx(56 / 6.0)
+    monkeypatch.setattr(loop, "save_checkpoint", slow_save)
+    monkeypatch.setattr(loop, "fit", functools.partial(loop.fit, callbacks=[Steps()]))
+    args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--data-dir", str(cifar_dir), "--cache-dir",
+            str(tmp_path / "cache"), "--max-train-images", "64", "--max-test-images", "16", "--set", "val_size=16",
+            "--epochs", "2", "--batch-size", "16", "--limit-train-batches", "2", "--limit-val-batches", "1",
+            "--limit-test-batches", "1", "--ckpt-every-n-steps", "1", "--out", str(tmp_path / "runs")]
+    assert train.main(args) == 0
+    run_dir = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 4
+    assert summary["train_images_per_s"] == pytest.approx(16.0)  # 4 steps of 16 images in 4 s, 60 s of writes out
+    assert summary["wall_time_s"] >= 4 + 10 * 5  # the writes are in the run's wall time
 
 
 @pytest.mark.parametrize("minutes, every_n_steps, last_steps", [(60.0, 500, [6]), (0.0, 500, [6]), (0.0, 4, [4, 6])])
 def test_last_checkpoint_is_written_at_the_end_not_after_every_validation(minutes, every_n_steps, last_steps, cifar_dir,
                                                                           tmp_path, monkeypatch, capsys):
     written = []
-    save = runs.AtomicCheckpointIO.save_checkpoint
+    real_save = loop.save_checkpoint
 
-    def recording(self, checkpoint, path, storage_options=None):
-        written.append((Path(path).name, checkpoint["global_step"]))
-        save(self, checkpoint, path, storage_options)
+    def recording(path, state):
+        written.append((Path(path).name, state["global_step"]))
+        real_save(path, state)
 
-    monkeypatch.setattr(runs.AtomicCheckpointIO, "save_checkpoint", recording)
+    monkeypatch.setattr(loop, "save_checkpoint", recording)
     args = ["--config", str(REPO / "configs" / "test_tiny.yaml"), "--data-dir", str(cifar_dir), "--cache-dir",
             str(tmp_path / "cache"), "--max-train-images", "64", "--max-test-images", "16", "--set", "val_size=16",
             "--epochs", "3", "--batch-size", "16", "--limit-train-batches", "2", "--limit-val-batches", "1",

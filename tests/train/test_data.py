@@ -1,5 +1,4 @@
-"""Tests of zoo.train.data: layouts, split, statistics, cache placement and reliability, batched augmentation,
-throughput (measured with zoo.bench.measure_throughput).
+"""Tests of zoo.data: layouts, split, statistics, cache placement and reliability, batched augmentation.
 
 Synthetic data is written into tmp_path (PNG ImageFolder trees with PIL, CIFAR-10 python batches in
 torchvision's pickle format); the real CIFAR-10 tree is only read through small subsets."""
@@ -11,22 +10,19 @@ import pickle
 import urllib.error
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from lightning.pytorch import LightningModule, Trainer
 from PIL import Image
 
-import zoo.train.data.cache
-import zoo.train.data.decode
-from zoo.bench import measure_throughput
+import zoo.data.cache
+import zoo.data.decode
 from zoo.bench.dispatch import OpRecorder
-from zoo.train.data import DataError, ImageDataModule, cutout, random_crop, random_hflip
-from zoo.train.data.augment import AlternatingFlip
+from zoo.data import DataError, ImageData, cutout, random_crop, random_hflip
+from zoo.data.augment import AlternatingFlip
 
 CLASSES = ["cat", "dog", "frog"]
 CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -89,23 +85,23 @@ def no_download(monkeypatch):
 
 @pytest.fixture
 def decode_calls(monkeypatch):
-    """Counts zoo.train.data's image decodes."""
+    """Counts zoo.data's image decodes."""
     calls = []
-    real = zoo.train.data.decode.decode_image
+    real = zoo.data.decode.decode_image
 
     def counting(*args, **kwargs):
         calls.append(args[0])
         return real(*args, **kwargs)
-    monkeypatch.setattr(zoo.train.data.decode, "decode_image", counting)
+    monkeypatch.setattr(zoo.data.decode, "decode_image", counting)
     return calls
 
 
-def make(data_dir, tmp_path, **kwargs) -> ImageDataModule:
+def make(data_dir, tmp_path, **kwargs) -> ImageData:
     kwargs = {"cache_dir": tmp_path / "cache", "val_size": 2, "batch_size": 4, **kwargs}
-    return ImageDataModule(data_dir, **kwargs)
+    return ImageData(data_dir, **kwargs)
 
 
-def all_train(dm: ImageDataModule) -> tuple[torch.Tensor, torch.Tensor]:
+def all_train(dm: ImageData) -> tuple[torch.Tensor, torch.Tensor]:
     images = torch.cat([dm.train_dataset.images, dm.val_dataset.images])
     labels = torch.cat([dm.train_dataset.labels, dm.val_dataset.labels])
     return images, labels
@@ -188,7 +184,7 @@ def test_offline_download_failure_is_one_clear_data_error(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     expected = "could not download CIFAR-10 into data .*cifar-10-batches-py"
     with pytest.raises(DataError, match=expected) as info:
-        ImageDataModule(cache_dir=tmp_path / "cache").prepare_data()  # data_dir None: ./data, downloads
+        ImageData(cache_dir=tmp_path / "cache").prepare_data()  # data_dir None: ./data, downloads
     assert "\n" not in str(info.value)
 
 
@@ -308,8 +304,8 @@ def test_a_module_validates_the_files_once_and_a_new_module_again(tmp_path, monk
     half a second for 60,000) once per module; a new module (the next run) fingerprints them again."""
     write_imagefolder(tmp_path / "data")
     fingerprinted = []
-    real = zoo.train.data.cache.data_fingerprint
-    monkeypatch.setattr(zoo.train.data.cache, "data_fingerprint",
+    real = zoo.data.cache.data_fingerprint
+    monkeypatch.setattr(zoo.data.cache, "data_fingerprint",
                         lambda *args: fingerprinted.append(args) or real(*args))
     dm = make(tmp_path / "data", tmp_path)
     dm.prepare_data()
@@ -330,7 +326,7 @@ def test_cache_never_goes_into_a_writable_data_folder(tmp_path, monkeypatch):
     write_imagefolder(tmp_path / "data", per_class=2)
     before = listing(tmp_path / "data")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    dm = ImageDataModule(tmp_path / "data", val_size=1)
+    dm = ImageData(tmp_path / "data", val_size=1)
     dm.prepare_data()
     dm.setup()
     assert listing(tmp_path / "data") == before
@@ -347,9 +343,9 @@ def test_cache_goes_to_home_cache_without_xdg_and_to_cache_dir_when_given(tmp_pa
             monkeypatch.delenv("XDG_CACHE_HOME")
         else:
             monkeypatch.setenv("XDG_CACHE_HOME", xdg)
-        path = ImageDataModule(tmp_path / "data", val_size=1).cache_path(tmp_path / "data")
+        path = ImageData(tmp_path / "data", val_size=1).cache_path(tmp_path / "data")
         assert path.parent.parent == tmp_path / "home" / ".cache" / "zoo"
-    explicit = ImageDataModule(tmp_path / "data", val_size=1, cache_dir=tmp_path / "mine")
+    explicit = ImageData(tmp_path / "data", val_size=1, cache_dir=tmp_path / "mine")
     assert explicit.cache_path(tmp_path / "data").parent == tmp_path / "mine"
 
 
@@ -359,7 +355,7 @@ def test_cache_goes_to_user_cache_when_data_folder_is_read_only(tmp_path, monkey
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     os.chmod(tmp_path / "data", 0o555)
     try:
-        dm = ImageDataModule(tmp_path / "data", val_size=1)
+        dm = ImageData(tmp_path / "data", val_size=1)
         dm.setup()
         assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["test", "train"]
         [folder] = (tmp_path / "home" / ".cache" / "zoo").iterdir()
@@ -456,7 +452,7 @@ def test_cutout_zeroes_one_square_per_image_like_slicing():
 def test_each_rank_augments_its_slice_of_a_global_batch_as_one_process_does(world):
     """Every rank's generators agree (one seed): each draws for the whole global batch and takes its slice, so an
     image is augmented as in one process whatever the world size, and two ranks never augment alike."""
-    from zoo.train.data.augment import BatchAugment
+    from zoo.data.augment import BatchAugment
 
     augment = BatchAugment({"crop_padding": 4, "randaugment": True, "cutout": 8}, num_classes=10)
     images = torch.randint(0, 256, (world * 4, 3, 32, 32), dtype=torch.uint8,
@@ -504,18 +500,14 @@ def test_normalize_and_denormalize_against_the_formula(small_dm):
     torch.testing.assert_close(small_dm.denormalize(got), images.float() / 255, rtol=0, atol=1e-6)
 
 
-def test_on_after_batch_transfer_augments_only_in_training(small_dm):
-    cpu = SimpleNamespace(root_device=torch.device("cpu"))
-    small_dm.trainer = SimpleNamespace(strategy=cpu, training=False, world_size=1, global_rank=0)
+def test_evaluation_batches_are_normalised_and_training_batches_augmented_anew(small_dm):
     small_dm.setup()
     images, labels = next(iter(small_dm.val_dataloader()))
-    out, out_labels = small_dm.on_after_batch_transfer((images, labels), 0)
-    torch.testing.assert_close(out, small_dm.normalize(images))
-    assert out_labels is labels
-    small_dm.trainer.training = True
-    outs = [small_dm.on_after_batch_transfer((images, labels), 0)[0] for _ in range(3)]
-    assert all(o.shape == images.shape and o.dtype == torch.float32 for o in outs)
-    assert not torch.equal(outs[0], outs[1]) or not torch.equal(outs[1], outs[2])  # random crops / flips
+    torch.testing.assert_close(small_dm.normalize(images), (images.float() / 255 - torch.tensor(small_dm.mean).view(
+        1, 3, 1, 1)) / torch.tensor(small_dm.std).view(1, 3, 1, 1))
+    outs = [small_dm.augment(images, labels) for _ in range(3)]
+    assert all(o.shape == images.shape and o.dtype == torch.float32 and same is labels for o, same in outs)
+    assert not torch.equal(outs[0][0], outs[1][0]) or not torch.equal(outs[1][0], outs[2][0])  # random crops / flips
 
 
 @pytest.mark.parametrize("augment", [
@@ -554,7 +546,7 @@ def test_default_augment_keeps_int_labels(small_dm):
 ])
 def test_bad_arguments_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ImageDataModule("unused", **kwargs)
+        ImageData("unused", **kwargs)
 
 
 def test_loaders_before_setup_raise(tmp_path):
@@ -575,8 +567,7 @@ def test_ranks_split_each_global_batch_and_evaluate_every_image_once(tmp_path):
 
     def loaders(world: int, rank: int):
         dm = make(tmp_path / "data", tmp_path, val_size=21, batch_size=16)
-        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), training=False,
-                                     world_size=world, global_rank=rank)
+        dm._ranks = lambda: (world, rank)  # (world size, rank), as a process group of `world` gives them to `rank`
         dm.setup("fit")
         def ids(loader):  # image i of the split carries i in its first two bytes
             return [(x[:, 0, 0, 0].long() + 256 * x[:, 0, 0, 1].long()).tolist() for x, _ in loader]
@@ -591,61 +582,11 @@ def test_ranks_split_each_global_batch_and_evaluate_every_image_once(tmp_path):
     assert len(sum(single_val, [])) == 21 == len(dm.val_dataset)
 
 
-def test_pipeline_throughput_is_thousands_of_images_per_second(tmp_path):
-    write_cifar_batches(tmp_path / "data", per_batch=200)
-    dm = make(tmp_path / "data", tmp_path, val_size=100, batch_size=128)
-    dm.setup("fit")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the 2 CPU cores are shared; one intra-op thread avoids contention
-    try:
-        rate = measure_throughput(dm, num_batches=20)
-    finally:
-        torch.set_num_threads(threads)
-    assert rate > 2000, f"{rate:.0f} images/s"
-
-
-class Recorder(LightningModule):
-    """A linear classifier that records what its steps receive."""
-
-    def __init__(self):
-        super().__init__()
-        self.head = torch.nn.Linear(3 * 32 * 32, 10)
-        self.seen = {"train": [], "val": []}
-
-    def step(self, batch, stage):
-        images, labels = batch
-        self.seen[stage].append((images.dtype, tuple(labels.shape), labels.dtype))
-        return F.cross_entropy(self.head(images.flatten(1)), labels)
-
-    def training_step(self, batch, batch_idx):
-        return self.step(batch, "train")
-
-    def validation_step(self, batch, batch_idx):
-        self.step(batch, "val")
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def test_lightning_trainer_calls_the_hooks(tmp_path):
-    write_cifar_batches(tmp_path / "data")
-    dm = make(tmp_path / "data", tmp_path, val_size=20, batch_size=16, augment={"mixup_alpha": 0.5})
-    model = Recorder()
-    trainer = Trainer(max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=2,
-                      accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Lightning's num_workers advice
-        trainer.fit(model, datamodule=dm)
-    assert model.seen["train"] == [(torch.float32, (16, 10), torch.float32)] * 2  # mixup: soft labels
-    assert model.seen["val"] == [(torch.float32, (16,), torch.int64)]
-
-
 # ---------------------------------------------------------------- real data
 
 
 def test_real_cifar10_subset(cifar_dir, tmp_path, no_download, decode_calls):
-    dm = ImageDataModule(cifar_dir, cache_dir=tmp_path / "cache", max_train_images=300, max_test_images=100,
+    dm = ImageData(cifar_dir, cache_dir=tmp_path / "cache", max_train_images=300, max_test_images=100,
                          val_size=50, batch_size=64)
     dm.prepare_data()
     dm.setup()
@@ -660,7 +601,7 @@ def test_real_cifar10_subset(cifar_dir, tmp_path, no_download, decode_calls):
     images, _ = all_train(dm)
     assert (images.int() - pil.int()).abs().flatten(1).amax(1).min() <= 2
     images, labels = next(iter(dm.train_dataloader()))
-    out, _ = dm.on_after_batch_transfer((images, labels), 0)
+    out, _ = dm.augment(images, labels)
     assert out.shape == (64, 3, 32, 32) and abs(out.mean().item()) < 0.5
 
 

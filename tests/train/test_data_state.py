@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from zoo.train.data import ImageDataModule
+from zoo.data import ImageData
 
 CLASSES = ["cat", "dog"]
 
@@ -34,13 +34,13 @@ def pil_images(folder: Path) -> torch.Tensor:
     return torch.stack([torch.from_numpy(np.asarray(Image.open(f).convert("RGB"))).permute(2, 0, 1) for f in files])
 
 
-def decoded(data: Path, cache: Path) -> ImageDataModule:
-    dm = ImageDataModule(data, cache_dir=cache, val_size=1, batch_size=2)
+def decoded(data: Path, cache: Path) -> ImageData:
+    dm = ImageData(data, cache_dir=cache, val_size=1, batch_size=2)
     dm.setup("fit")
     return dm
 
 
-def sorted_like_files(dm: ImageDataModule) -> torch.Tensor:
+def sorted_like_files(dm: ImageData) -> torch.Tensor:
     """All train images of the module back in file order (the validation split is a seeded subset)."""
     n = len(dm.train_dataset.labels) + len(dm.val_dataset.labels)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(dm.seed))

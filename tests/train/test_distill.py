@@ -1,18 +1,19 @@
 """Distillation (``--teacher``) against hand formulas: DeiT's hard term is cross-entropy on the teacher's top
 class, the soft term KL(teacher || student) at temperature T times T**2 over the logits' element count; the
 student's loss mixes its own with the term by ``distill_weight``, its gradient is that of the hand-mixed loss, and
-the teacher stays frozen and out of the student's checkpoint. A teacher that cannot teach the run is refused in one
-line before any data is decoded; a real run with a shipped teacher trains and tests."""
+the teacher stays frozen and out of the student's checkpoint (a real run's). A teacher that cannot teach the run is
+refused in one line before any data is decoded; a real run with a shipped teacher trains and tests."""
 
 import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import zoo
 from zoo.train.distill import distillation_loss, load_teacher
-from zoo.train.module import ImageClassifier, train_loss
+from zoo.train.step import train_loss
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,38 +42,21 @@ def test_soft_term_is_deits_kl(temperature):
     assert distillation_loss(student, teacher, "soft", temperature).item() == pytest.approx(expected, rel=1e-5)
 
 
-def tiny_classifier(**kwargs) -> ImageClassifier:
-    return ImageClassifier("vit_nano", {"depth": 1, "embed_dim": 32, "num_heads": 2}, num_classes=10, **kwargs)
-
-
 def test_training_loss_mixes_the_terms_and_its_gradient_is_the_hand_mix():
-    module = tiny_classifier(label_smoothing=0.1, distill="hard", distill_weight=0.3)
+    student = zoo.create_model("vit_nano", depth=1, embed_dim=32, num_heads=2)
     teacher = zoo.create_model("vit_nano", depth=1, embed_dim=32, num_heads=2).eval().requires_grad_(False)
-    module.set_teacher(teacher)
     images, targets = torch.randn(6, 3, 32, 32), torch.randint(0, 10, (6,))
-    loss, logits = train_loss(module.model, images, targets, 0.1, torch.contiguous_format,
-                              module.teacher_logits(images), ("hard", 0.3, 1.0))
     with torch.no_grad():
-        hard = teacher(images).argmax(dim=1)
+        taught = teacher(images)
+    loss, logits = train_loss(student, images, targets, 0.1, torch.contiguous_format, taught, ("hard", 0.3, 1.0))
     own = torch.nn.functional.cross_entropy(logits, targets, label_smoothing=0.1)
-    by_hand = 0.7 * own + 0.3 * torch.nn.functional.cross_entropy(logits, hard)
+    by_hand = 0.7 * own + 0.3 * torch.nn.functional.cross_entropy(logits, taught.argmax(dim=1))
     torch.testing.assert_close(loss, by_hand)
-    weight = module.model.head.weight
+    weight = student.head.weight
     (grad,) = torch.autograd.grad(loss, weight, retain_graph=True)
     (expected,) = torch.autograd.grad(by_hand, weight)
     torch.testing.assert_close(grad, expected)
     assert all(p.grad is None for p in teacher.parameters())
-
-
-def test_teacher_is_no_part_of_the_student():
-    module = tiny_classifier()
-    before = set(module.state_dict())
-    module.set_teacher(zoo.create_model("hybrid_tiny", pretrained=True).eval())
-    assert set(module.state_dict()) == before  # the checkpoint holds the student alone
-    assert all(not name.startswith("_teacher") for name, _ in module.named_modules())
-    assert module.teacher_logits(torch.randn(2, 3, 32, 32)).shape == (2, 10)
-    module.set_teacher(None)
-    assert module.teacher_logits(torch.randn(2, 3, 32, 32)) is None
 
 
 @pytest.mark.parametrize("spec, classes, size, match", [
@@ -106,7 +90,10 @@ def test_a_real_run_learns_from_a_shipped_teacher(cifar_dir, tmp_path, run_train
     done = run_train(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = (tmp_path / "vit_nano").iterdir()
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert not any("teacher" in key for key in ckpt["state_dict"])
-    assert ckpt["hyper_parameters"]["distill"] == "soft" and ckpt["hyper_parameters"]["distill_temperature"] == 2.0
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    student = zoo.create_model("vit_nano", depth=1).state_dict()
+    assert {key.removeprefix("model.") for key in ckpt["state_dict"]} == set(student)  # the student alone
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert (config["teacher"], config["distill"], config["distill_temperature"]) == ("pretrained:hybrid_tiny", "soft",
+                                                                                      2.0)
     assert (run / "summary.json").is_file()

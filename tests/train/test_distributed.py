@@ -1,7 +1,8 @@
 """Several processes on the CPU (gloo): the samplers behind the global batch and the exact evaluation, against plain
 single-process references; real 2-process DDP runs of train.py (through tests/train/ddp_driver.py, which records
-every rank's steps, learning rates and final weights) under Lightning's launcher, torchrun and simulated SLURM; and
-one checkpoint tested on 1 and 3 processes against a plain count of correct predictions."""
+every rank's steps, learning rates and final weights) under Fabric's launcher, torchrun and simulated SLURM; and
+one checkpoint tested on 1 and 3 processes (the loop's evaluation, a plain ``lightning.Trainer`` with
+``ImageClassifier``, and eval.py) against a plain count of correct predictions."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from zoo.train.distributed import ContiguousShard, GlobalBatchShard, planned_world_size, split_batch
+from zoo.data.samplers import ContiguousShard, GlobalBatchShard, split_batch
+from zoo.runtime.distributed import planned_world_size
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ddp_driver import lightning_test  # noqa: E402
+from ddp_driver import test as scored_on_every_process  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("ddp_driver.py")
@@ -65,12 +67,14 @@ def test_split_batch_names_the_fix():
 
 
 def test_devices_auto_on_several_gpus_is_several_processes_and_says_so(monkeypatch, capsys):
-    import zoo.train.distributed as distributed
-    from zoo.train.fit import report_auto_devices
+    import zoo.runtime.distributed as distributed
+    from zoo.train import loop
+    from zoo.train.loop import report_auto_devices
     from zoo.train.recipe import Recipe
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(distributed, "external_environment", lambda: None)  # as if no launcher, even on a cluster
+    monkeypatch.setattr(loop, "external_environment", lambda: None)
     assert planned_world_size("auto", 1, "gpu") == 4 and planned_world_size("auto", 2, "gpu") == 8
     assert planned_world_size("auto", 1, "cpu") == 1 and planned_world_size("0,2", 1, "gpu") == 2
     report_auto_devices(Recipe(batch_size=128), "gpu", 4)
@@ -250,14 +254,15 @@ def test_torchrun_two_processes_share_one_resumable_run(cifar_dir, tmp_path, res
 def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, tmp_path, n, world):
     """301 test images (or all 10,000) do not divide among 3 processes (a padding sampler would count 303 or
     10,002); Lightning's logged top-1 / top-5 / loss and eval.py's metrics.json equal a plain single-process loop
-    over the images, on 1 process and (world 3) also on 3 (torchrun)."""
+    over the images, on 1 process and (world 3) also on 3 (torchrun); so do the loop's own evaluation and a plain
+    ``lightning.Trainer``'s test of ``ImageClassifier``."""
+    from zoo.data import ImageData
     from zoo.explain.cli import main as eval_main
-    from zoo.train.data import ImageDataModule
-    from zoo.train.module import ImageClassifier
+    from zoo.train import ImageClassifier
 
     ckpt = tiny_run / "checkpoints" / "last.ckpt"
     module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", tta=0).eval()
-    dm = ImageDataModule(cifar_dir, max_test_images=n, splits=("test",), cache_dir=tmp_path / "ref-cache")
+    dm = ImageData(cifar_dir, max_test_images=n, splits=("test",), cache_dir=tmp_path / "ref-cache")
     dm.setup("test")
     summary = json.loads((tiny_run / "summary.json").read_text())
     dm.use_normalization(summary["mean"], summary["std"])
@@ -267,19 +272,19 @@ def test_test_accuracy_is_exact_on_one_and_three_processes(tiny_run, cifar_dir, 
     top1 = int((logits.argmax(1) == labels).sum())
     top5 = int((logits.topk(5, dim=1).indices == labels[:, None]).any(1).sum())
     loss = float(F.cross_entropy(logits, labels, label_smoothing=module.hparams.label_smoothing))
-    one = lightning_test(str(ckpt), str(cifar_dir), n, 1, str(tmp_path / "ref-cache"))
+    one = scored_on_every_process(str(ckpt), str(cifar_dir), n, str(tmp_path / "ref-cache"))
     assert eval_main(["--checkpoint", str(ckpt), "--data-dir", str(cifar_dir), "--max-test-images", str(n),
                       "--cache-dir", str(tmp_path / "ref-cache"), "--device", "cpu",
                       "--out", str(tmp_path / "eval1")]) == 0
-    found, folders = [one], [tmp_path / "eval1"]
+    found, folders = [one["loop"], one["lightning"]], [tmp_path / "eval1"]
     if world == 3:
         record = tmp_path / "record"
         record.mkdir()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
-               str(free_port()), str(DRIVER), "test", str(ckpt), str(cifar_dir), str(n), "3",
-               str(tmp_path / "ref-cache")]
+               str(free_port()), str(DRIVER), "test", str(ckpt), str(cifar_dir), str(n), str(tmp_path / "ref-cache")]
         run(cmd, clean_env(record), tmp_path)
-        found.append(json.loads((record / "test.json").read_text()))
+        three = json.loads((record / "test.json").read_text())
+        found += [three["loop"], three["lightning"]]
         folders.append(record / "eval")
     for results in found:
         assert round(results["test/top1"] * n) == top1 and abs(results["test/top1"] - top1 / n) < 1e-6
@@ -300,7 +305,7 @@ RANK_ZERO_FAILS = """
 import os, sys
 from datetime import timedelta
 import torch
-from zoo.train.distributed import on_rank_zero
+from zoo.runtime.distributed import on_rank_zero
 torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
 def choose():
     raise OSError("the disk went away")
@@ -328,7 +333,7 @@ import os, time
 from datetime import timedelta
 from pathlib import Path
 import torch
-from zoo.train.distributed import rank_zero_first
+from zoo.runtime.distributed import rank_zero_first
 torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
 disk = Path(f"machine{os.environ['GROUP_RANK']}")  # each machine its own disk: no shared file system
 def build():

@@ -1,6 +1,6 @@
 """With an EMA of the weights, the test in train.py scores the averaged weights: the ones validation chose the
-best checkpoint by and that load_run / eval.py / publish read from it (Lightning's WeightAveraging would
-otherwise reload the raw weights for the test). Checked on a short real run against eval.py's plain
+best checkpoint by and that load_run / eval.py / publish read from it (the trained weights beside them serve only
+a resume). Checked on a short real run against eval.py's plain
 cross-entropy on the same test images, and against the raw weights, which must score differently."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from zoo.data.run_data import data_for_run
 from zoo.models import load_run
 from zoo.models.checkpoints import load_checkpoint
-from zoo.train.data.run_data import data_module_for
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,9 @@ def _cross_entropy(model, dm) -> float:
 def test_the_test_scores_the_averaged_weights(ema_run):
     summary = json.loads((ema_run / "summary.json").read_text())
     model, meta = load_run(ema_run)  # best.ckpt's state_dict: the EMA weights
-    dm = data_module_for(meta, max_test_images=64)
+    dm = data_for_run(meta, max_test_images=64)
     assert summary["test_loss_smoothed"] == pytest.approx(_cross_entropy(model, dm), rel=1e-4)
     ckpt = load_checkpoint(ema_run / "checkpoints" / summary["tested_checkpoint"])
-    raw = {k.removeprefix("model."): v for k, v in ckpt["current_model_state"].items() if k.startswith("model.")}
+    raw = {k.removeprefix("model."): v for k, v in ckpt["trained_state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(raw)
     assert _cross_entropy(model, dm) != pytest.approx(summary["test_loss_smoothed"], rel=1e-3)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from zoo.train import host_memory
+from zoo.runtime import memory as host_memory
 
 
 class _RecordingLibc:
@@ -40,7 +40,7 @@ def test_the_switch_and_a_c_library_without_mallopt_leave_malloc_alone(monkeypat
 
 _STEPS = """
 import resource, sys, torch
-from zoo.train.host_memory import keep_freed_memory
+from zoo.runtime.memory import keep_freed_memory
 applied = keep_freed_memory()
 def step():  # 30 tensors of 1-7 MiB made and freed, as a step's activations and gradients
     kept = [torch.ones((i % 7 + 1) << 18) for i in range(30)]

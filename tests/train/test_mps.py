@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo.train import device
+from zoo.runtime import device
 
 
 @pytest.fixture
@@ -53,7 +53,6 @@ def test_choices_on_mps_are_valid_there(mps, monkeypatch, capsys):
     monkeypatch.setenv(device.NATIVE_BF16_ENV, "1")  # the host CPU's bf16 says nothing about the GPU's
     assert device.resolve_precision("auto", "mps") == "32"
     assert device.resolve_muon_dtype("auto", "mps") == "float32"
-    assert device.accelerator_of(torch.device("mps")) == "mps"
     assert device.compile_for("regions", "mps") is False
     assert "off on Apple MPS" in capsys.readouterr().out
     assert device.compile_for("regions", "cpu") == "regions" and capsys.readouterr().out == ""
@@ -70,7 +69,7 @@ def test_train_py_mps_without_one_is_exit_2(capsys):
 
 
 def test_every_device_on_a_mac_is_one_process(mps):
-    from zoo.train.distributed import device_count
+    from zoo.runtime.distributed import device_count
 
     mps(True)
     assert device_count(-1, "mps") == device_count("auto", "mps") == 1  # Lightning's count of a Mac's GPUs
@@ -100,15 +99,15 @@ def test_chunked_attention_keeps_its_activations_where_recomputing_would_redraw_
 def test_optimizers_run_fused_on_a_mac_as_on_a_gpu(optimizer):
     """torch's fused AdamW and SGD run on MPS (its for-each kernels do not: unfused would be a per-tensor loop),
     and fused AdamW takes a GradScaler's tensors under 16-mixed."""
-    from types import SimpleNamespace
+    import zoo
+    from zoo.train.loop import RunPlan, build_optimizer_for
+    from zoo.train.recipe import Recipe
 
-    from zoo.train.module import ImageClassifier
-
-    module = ImageClassifier("vit_nano", {"embed_dim": 32, "depth": 1, "num_heads": 2}, optimizer=optimizer)
-    module._trainer = SimpleNamespace(estimated_stepping_batches=10)
+    net = zoo.create_model("vit_nano", embed_dim=32, depth=1, num_heads=2)
+    plan = RunPlan(Recipe.from_dict({"model": "vit_nano", "optimizer": optimizer, "muon_dtype": "float32"}), "cpu",
+                   "32", None, None)
     for place, fused in ((torch.device("cpu"), False), (torch.device("mps"), True)):
-        module._device = place  # what Lightning's move to the device sets
-        built = module.configure_optimizers()["optimizer"]
+        built = build_optimizer_for(plan, net, place)  # the device the run's model is on
         assert (built.adamw if optimizer == "muon" else built).defaults["fused"] is fused
     assert "mps" in torch.utils._foreach_utils._get_fused_kernels_supported_devices()  # torch's own list
 

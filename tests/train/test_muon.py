@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import zoo
 from zoo.bench.dispatch import OpRecorder
-from zoo.train.device import cpu_has_native_bf16
+from zoo.runtime.device import cpu_has_native_bf16
 from zoo.train.optim import FilterMuon, MuonAdamW, build_optimizer, muon_split, param_groups
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zoo.bench.dispatch import OpRecorder
-from zoo.train import device
+from zoo.runtime import device
 from zoo.train.optim import FilterMuon, newton_schulz
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch's Muon
@@ -160,11 +160,11 @@ FITS = [pytest.param(native, options, optimizer, id=f"{native}-{options}-{optimi
 @pytest.mark.parametrize("native, options, optimizer", FITS)
 def test_training_steps_compute_bf16_only_where_it_is_native(native, options, optimizer, cifar_dir, tmp_path,
                                                              monkeypatch):
-    """Real training steps (Lightning's fit: training, validation with TTA, the test) of a small hybrid under a
+    """Real training steps (the loop's: training, validation with TTA, the test) of a small hybrid under a
     dispatch mode that sees every aten op's dtypes. Precision 32 with the detection off (a CPU that emulates bf16):
     not one bf16 matmul / conv / attention op. With it on, Muon's iteration runs in native bf16 (so the mode does
     see bf16 when there is some) and nothing else does."""
-    from zoo.train.fit import fit
+    from zoo.train.loop import fit
     from zoo.train.recipe import resolve_config
 
     monkeypatch.setenv(device.NATIVE_BF16_ENV, native)

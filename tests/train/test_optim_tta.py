@@ -15,8 +15,8 @@ from torch import nn
 
 import zoo
 from zoo.bench.dispatch import OpRecorder
+from zoo.models.tta import tta_logits
 from zoo.train.optim import WarmupDecay, build_optimizer, ema_multi_avg_fn, param_groups
-from zoo.train.tta import tta_logits
 
 
 def test_linear_and_cosine_schedules():
@@ -90,7 +90,7 @@ def test_tta_levels_by_hand():
 
 
 def test_auto_precision_follows_the_cpu_flags(tmp_path, monkeypatch):
-    from zoo.train import device
+    from zoo.runtime import device
 
     plain, bf16 = tmp_path / "plain", tmp_path / "bf16"
     plain.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n")
@@ -122,7 +122,7 @@ class _SlowUnder(torch.nn.Module):
 
 @pytest.mark.parametrize("slow_under,expected", [(True, "32"), (False, "bf16-mixed")])
 def test_faster_precision_picks_the_faster_and_leaves_the_model_alone(slow_under, expected):
-    from zoo.train.device import faster_precision
+    from zoo.train.probes import faster_precision
 
     model = _SlowUnder(slow_under)
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -132,15 +132,15 @@ def test_faster_precision_picks_the_faster_and_leaves_the_model_alone(slow_under
 
 @pytest.mark.parametrize("bf16_seconds,expected", [(0.97, "32"), (1.2, "32"), (0.9, "bf16-mixed")])
 def test_faster_precision_keeps_fp32_unless_bf16_beats_it_by_the_margin(bf16_seconds, expected, monkeypatch):
-    from zoo.train import device
+    from zoo.train import probes
 
-    monkeypatch.setattr(device, "interleaved_medians", lambda fns, repeats: {"32": 1.0, "bf16-mixed": bf16_seconds})
-    assert device.faster_precision(torch.nn.Linear(4, 4), torch.randn(2, 4), ("32", "bf16-mixed"),
+    monkeypatch.setattr(probes, "interleaved_medians", lambda fns, repeats: {"32": 1.0, "bf16-mixed": bf16_seconds})
+    assert probes.faster_precision(torch.nn.Linear(4, 4), torch.randn(2, 4), ("32", "bf16-mixed"),
                                    margin=0.05) == expected
 
 
 def test_remembered_choice_measures_once_per_key_and_survives_a_corrupt_file(tmp_path):
-    from zoo.train.device import remembered_choice
+    from zoo.train.probes import remembered_choice
 
     path, calls = tmp_path / "sub" / "choices.json", []
 
@@ -159,7 +159,7 @@ def test_remembered_choice_measures_once_per_key_and_survives_a_corrupt_file(tmp
 
 
 def test_alternating_flip_mirrors_each_image_in_every_other_epoch():
-    from zoo.train.data.augment import AlternatingFlip
+    from zoo.data.augment import AlternatingFlip
 
     epoch = {"now": 0}
     flip = AlternatingFlip(64, seed=3, epoch=lambda: epoch["now"])

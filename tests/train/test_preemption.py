@@ -6,6 +6,7 @@ that drew one batch or one random number differently, or counted an epoch's batc
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -14,13 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from zoo.models.run_files import read_metrics
-from zoo.train import cli
-from zoo.train import fit as fit_module
+from zoo.train import cli, loop
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS_PER_EPOCH = 4  # 96 images - 32 held out = 64, in batches of 16
@@ -41,45 +40,41 @@ def argv(base_argv, tmp_path):
     return [*base_argv, "--out", str(tmp_path / "runs")]
 
 
-class _OnHook(pl.Callback):
-    """Runs ``action(trainer)`` once, at the first call of Lightning's hook ``hook`` (e.g. on_test_batch_start)."""
+class _OnHook:
+    """Runs ``action(run)`` once, at the first call of the loop's hook ``hook`` (e.g. on_test_batch_start)."""
 
     def __init__(self, hook: str, action):
         self.action, self.done = action, False
         setattr(self, hook, self._fire)
 
-    def _fire(self, trainer, *args):
+    def _fire(self, run):
         if not self.done:
             self.done = True
-            self.action(trainer)
+            self.action(run)
 
 
 def _kill(*signums):
-    return lambda trainer: [os.kill(os.getpid(), signum) for signum in signums]
+    return lambda run: [os.kill(os.getpid(), signum) for signum in signums]
 
 
-class _AtStep(pl.Callback):
-    """Runs ``action(trainer)`` once, at the end of optimizer step ``step`` (of the first fit it sees)."""
+class _AtStep:
+    """Runs ``action(run)`` once, at the end of optimizer step ``step`` (of the first run it sees)."""
 
     def __init__(self, step: int, action):
         self.step, self.action, self.done = step, action, False
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step and not self.done:
+    def on_train_batch_end(self, run):
+        if run.position.step == self.step and not self.done:
             self.done = True
-            self.action(trainer)
+            self.action(run)
 
 
 def _run(argv, monkeypatch=None, extra=None) -> int:
-    """cli.main(argv) in this process, with ``extra`` (a callback) added to the run's callbacks."""
-    build = fit_module.build_callbacks
-
-    def with_extra(plan, *args, **kwargs):
-        built = build(plan, *args, **kwargs)
-        return built._replace(all=[extra, *built.all]) if extra is not None else built
-
+    """cli.main(argv) in this process, with ``extra`` (an object with hooks of the loop) among the run's
+    callbacks."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fit_module, "build_callbacks", with_extra)
+        if extra is not None:
+            mp.setattr(loop, "fit", functools.partial(loop.fit, callbacks=[extra]))
         return cli.main(argv)
 
 
@@ -109,17 +104,18 @@ def uninterrupted(reference_run):
     return _weights(reference_run)
 
 
-def _rows(run: Path, before_step: int | None = None) -> tuple[list[str], list[dict]]:
-    """metrics.csv's header and rows (those logged before optimizer step ``before_step``), clock columns out."""
+def _rows(run: Path, through_step: int | None = None) -> tuple[list[str], list[dict]]:
+    """metrics.csv's header and rows (those of the training through optimizer step ``through_step``: its step and
+    epoch rows, not the test's), clock columns out."""
     keys, rows = read_metrics(run / "metrics.csv")
     rows = [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows
-            if before_step is None or int(row["step"]) < before_step]
+            if through_step is None or int(row["step"]) <= through_step and not row["test/top1"]]
     return [k for k in keys if not k.startswith("time/")], rows
 
 
-def _same_rows(run: Path, reference: Path, before_step: int | None = None) -> None:
-    keys, rows = _rows(run, before_step)
-    want_keys, want = _rows(reference, before_step)
+def _same_rows(run: Path, reference: Path, through_step: int | None = None) -> None:
+    keys, rows = _rows(run, through_step)
+    want_keys, want = _rows(reference, through_step)
     assert len(rows) == len(want) and rows, (rows, want)
     for row, expected in zip(rows, want, strict=True):  # the keys of the rows logged so far
         assert {k: v for k, v in row.items() if v} == {k: v for k, v in expected.items() if v}, (row, expected)
@@ -154,7 +150,7 @@ def test_signal_saves_at_the_step_and_resume_equals_the_uninterrupted_run(
     saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == step
     assert {s: signal.getsignal(s) for s in before} == before  # the handlers are given back
-    _same_rows(run, reference_run, before_step=step)
+    _same_rows(run, reference_run, through_step=step)
 
     assert _run([*argv, "--resume", "auto"], monkeypatch) == 0
     assert _only_run(tmp_path) == run and (run / "summary.json").is_file()
@@ -228,7 +224,7 @@ def test_a_signal_during_the_final_test_exits_128_plus_it_and_resume_tests(
     assert len(err) == 1 and "during the final test" in err[0] and "--resume auto" in err[0], err
     run = _only_run(tmp_path)
     assert not (run / "summary.json").exists()
-    _same_rows(run, reference_run, before_step=STEPS_PER_EPOCH * EPOCHS)
+    _same_rows(run, reference_run, through_step=STEPS_PER_EPOCH * EPOCHS)
     assert _run([*argv, "--resume", "auto"], monkeypatch) == 0
     assert (run / "summary.json").is_file()
     _same_rows(run, reference_run)
@@ -248,7 +244,7 @@ def test_a_signal_while_the_data_are_decoded_or_probed_exits_128_plus_it_in_one_
         time.sleep(30)  # the handler raises before this returns
         raise AssertionError("the signal was not handled")
 
-    monkeypatch.setattr(fit_module, "plan_run", signalled_plan)
+    monkeypatch.setattr(loop, "plan_run", signalled_plan)
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     assert cli.main(argv) == 128 + signum
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -288,7 +284,7 @@ def test_resume_from_the_interval_checkpoint_after_a_hard_kill_equals_the_uninte
     """kill -9 at step 7 (a crash: no handler runs, nothing is saved then) leaves the step-3 checkpoint of
     --ckpt-every-n-steps 3... then step 6's; resuming from step 6 ends as the uninterrupted run."""
 
-    def crash(trainer):
+    def crash(run):
         raise MemoryError("simulated hard kill")
 
     with pytest.raises(MemoryError):
@@ -303,31 +299,26 @@ def test_resume_from_the_interval_checkpoint_after_a_hard_kill_equals_the_uninte
 def test_interval_checkpoint_exists_three_minutes_into_a_run(argv, tmp_path, monkeypatch):
     """On a scripted clock (each optimizer step takes 40 s), a run killed 3 minutes in has a last.ckpt from its
     2-minute checkpoint (--ckpt-every-minutes 2, the default), though no step or epoch checkpoint was due."""
-    import lightning.pytorch.callbacks.model_checkpoint as model_checkpoint
+    from zoo.train import clock
 
-    clock = {"now": 1000.0}
-    monkeypatch.setattr(model_checkpoint.time, "monotonic", lambda: clock["now"])
+    time = {"now": 1000.0}
+    monkeypatch.setattr(clock, "now", lambda: time["now"])
     seen = {}
 
-    class Clock(pl.Callback):
-        def on_train_batch_start(self, trainer, *args):
-            clock["now"] += 40.0
-
-    def look(trainer):  # at 3 minutes 20 s: what a kill -9 now would leave
-        last = tmp_path / "runs" / "vit_nano"
-        found = list(last.glob("*/checkpoints/last.ckpt"))
+    def look(run):  # at 3 minutes 20 s: what a kill -9 now would leave
+        found = list((tmp_path / "runs" / "vit_nano").glob("*/checkpoints/last.ckpt"))
         seen["step"] = torch.load(found[0], weights_only=True)["global_step"] if found else None
         raise MemoryError("simulated hard kill")
 
-    class Both(pl.Callback):
+    class Both:
         def __init__(self):
-            self.clock, self.look = Clock(), _AtStep(5, look)
+            self.look = _AtStep(5, look)
 
-        def on_train_batch_start(self, *args):
-            self.clock.on_train_batch_start(*args)
+        def on_train_batch_start(self, run):
+            time["now"] += 40.0
 
-        def on_train_batch_end(self, *args):
-            self.look.on_train_batch_end(*args)
+        def on_train_batch_end(self, run):
+            self.look.on_train_batch_end(run)
 
     with pytest.raises(MemoryError):
         _run([*argv, "--ckpt-every-n-steps", "1000"], monkeypatch, Both())

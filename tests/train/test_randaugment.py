@@ -16,8 +16,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from zoo.bench.dispatch import OpRecorder
-from zoo.train.data.augment import BatchAugment
-from zoo.train.data.randaugment import OPS, RandAugment
+from zoo.data.augment import BatchAugment
+from zoo.data.randaugment import OPS, RandAugment
 
 NEAREST = TF.InterpolationMode.NEAREST
 GEOMETRIC = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 import zoo
+from zoo.data import DEFAULT_AUGMENT
 from zoo.train import recipe as recipe_module
 from zoo.train.checks import parse_limit, parse_max_time
-from zoo.train.data import DEFAULT_AUGMENT
 from zoo.train.recipe import CONFIG_DIR, AugmentConfig, Recipe, parse_set, resolve_config
 
 

@@ -1,99 +1,108 @@
-"""Decisions every rank shares (the time limit, a timed checkpoint, a stop on a signal) cost a collective, and on a
-GPU a host sync, each time they are made. Under several processes they are made every ``decide_every`` optimizer
-steps (``zoo.train.device.host_sync_every``: each step on a CPU, every 50th on a GPU), at steps all ranks reach
-together; one process decides at every step, where no collective is needed.
+"""Decisions every rank shares (a signal, the budget's step count, a timed checkpoint, a non-finite loss) cost a
+collective, and on a GPU a host sync, each time they are made. Under several processes they are made every
+``host_sync_every`` optimizer steps (each step on a CPU, every 50th on a GPU) and at each epoch's end, steps all
+ranks reach together; one process decides at every step and makes no collective.
 
-A real Lightning fit in one process whose strategy reports a world size of 2 and counts the collectives the
-callbacks' batch-end hooks make (each returns what one rank would get). The GPU's generator is faked: in rank 0's
-process the other GPUs' generators are seeded but never drawn from."""
+The real loop in one process, on a Fabric that reports a world size of 2 and records the step of each collective
+the loop makes (each returns what one rank would get). The GPU's generator is faked: in rank 0's process the other
+GPUs' generators are seeded but never drawn from."""
 
 from __future__ import annotations
 
+import os
 import signal
-from datetime import timedelta
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.fabric import Fabric
 
-from zoo.train.callbacks import StepTimer, TimedCheckpoint
-from zoo.train.preemption import Preempted, PreemptionCheckpoint, RandomStates
+from zoo.runtime.random import random_states, set_random_states
+from zoo.train import loop
 
 EVERY = 5
+STEPS = 12  # 2 epochs of 6 steps
 
 
-class CountingStrategy(SingleDeviceStrategy):
-    """One process standing for rank 0 of ``world_size``; records the global step of each collective made while
-    the training batch-end hooks run."""
+class CountingFabric(Fabric):
+    """Fabric in one process standing for rank 0 of ``world_size``: the step of every collective is recorded."""
 
-    def __init__(self, world_size: int):
-        super().__init__(device=torch.device("cpu"))
-        self.world_size, self.collectives, self.in_batch_end = world_size, [], False
+    def __init__(self, world_size: int, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ranks, self.collectives, self.run = world_size, [], None
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks
 
     def _record(self):
-        if self.in_batch_end:
-            self.collectives.append(self.lightning_module.trainer.global_step)
+        if self.run is not None:
+            self.collectives.append(self.run.position.step)
+
+    def all_reduce(self, data, group=None, reduce_op="mean"):
+        self._record()
+        return data
 
     def broadcast(self, obj, src: int = 0):
         self._record()
         return obj
 
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        self._record()
-        return decision
+
+class Watcher:
+    """Hands the run to the fabric (to read its step) and sends SIGTERM to this process at ``signal_at``."""
+
+    def __init__(self, signal_at: int | None = None):
+        self.signal_at = signal_at
+
+    def on_train_start(self, run):
+        run.fabric.run = run
+
+    def on_train_batch_end(self, run):
+        if run.position.step == self.signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
-class BatchEndMarker(pl.Callback):
-    """First in the list: marks the batch-end hooks of the callbacks after it (and signals at ``signal_at``)."""
-
-    def __init__(self, preemption: PreemptionCheckpoint | None = None, signal_at: int | None = None):
-        self.preemption, self.signal_at = preemption, signal_at
-
-    def on_train_batch_start(self, trainer, *args):
-        trainer.strategy.in_batch_end = False
-
-    def on_train_batch_end(self, trainer, *args):
-        trainer.strategy.in_batch_end = True
-        if self.preemption is not None and trainer.global_step == self.signal_at:
-            self.preemption.signum = signal.SIGTERM  # what its handler records
+@pytest.fixture(scope="module")
+def image_tree(tmp_path_factory, image_tree_writer):
+    return image_tree_writer(tmp_path_factory.mktemp("tree"), 16, counts=(("train", 6), ("test", 1)))
 
 
-def fit(tmp_path, world_size: int, callbacks: list, steps: int = 20, marker=None) -> tuple[pl.Trainer, list]:
-    strategy = CountingStrategy(world_size)
-    trainer = pl.Trainer(strategy=strategy, max_steps=steps, limit_val_batches=0, callbacks=[marker or
-                         BatchEndMarker(), *callbacks], logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path)
-    trainer.fit(BoringModel())
-    return trainer, strategy.collectives
+def train(run_train, image_tree, tmp_path, monkeypatch, world_size: int, signal_at: int | None = None):
+    fabrics = []
+
+    def counting_fabric(plan, callbacks):
+        fabric = CountingFabric(world_size, accelerator="cpu", devices=1, precision="32-true",
+                                callbacks=[*callbacks, Watcher(signal_at)])
+        fabrics.append(fabric)
+        return fabric
+
+    monkeypatch.setattr(loop, "make_fabric", counting_fabric)
+    monkeypatch.setattr(loop, "host_sync_every", lambda device_type: EVERY)  # as on a GPU, every few steps
+    done = run_train(["--model", "vit_nano", "--data-dir", image_tree, "--epochs", "2", "--batch-size", "8",
+                             "--set", "val_size=12", "--precision", "32", "--set", "model_args.depth=1",
+                             "--set", "model_args.embed_dim=32", "--ckpt-every-n-steps", "1000",
+                             "--ckpt-every-minutes", "0", "--out", tmp_path / "runs", "--cache-dir",
+                             tmp_path / "cache"])
+    return done, fabrics[0]
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_the_time_limit_and_the_timed_checkpoint_decide_every_few_steps_under_several_processes(tmp_path, world_size):
-    checkpoint = TimedCheckpoint(tmp_path, "last", train_time_interval=timedelta(0), enable_version_counter=False,
-                                 decide_every=EVERY)
-    trainer, collectives = fit(tmp_path, world_size, [checkpoint, StepTimer(timedelta(hours=1), EVERY)])
-    deciding = list(range(1, 21)) if world_size == 1 else list(range(EVERY, 21, EVERY))
-    assert sorted(set(collectives)) == deciding
-    assert trainer.global_step == 20
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    assert saved["global_step"] == 20 and "Timer" in saved["callbacks"]  # the key of Trainer(max_time)'s Timer
-
-
-@pytest.mark.parametrize("world_size, stop", [(1, 1), (2, EVERY)])
-def test_a_spent_time_limit_stops_on_the_next_deciding_step(tmp_path, world_size, stop):
-    trainer, _ = fit(tmp_path, world_size, [StepTimer(timedelta(microseconds=1), EVERY)])  # spent by the first step
-    assert trainer.global_step == stop
+def test_decisions_are_made_every_few_steps_and_at_epoch_ends_under_several_processes(run_train, image_tree, tmp_path,
+                                                                                     monkeypatch, world_size):
+    done, fabric = train(run_train, image_tree, tmp_path, monkeypatch, world_size)
+    assert done.returncode == 0, done.stderr[-2000:]
+    in_training = sorted({step for step in fabric.collectives if 0 < step < STEPS})
+    # 6 steps an epoch: the deciding steps are 5 and 10 and the epoch ends 6 and 12 (the epoch totals and the
+    # validation's are summed there too); one process makes none
+    assert in_training == ([] if world_size == 1 else [5, 6, 10])
 
 
 @pytest.mark.parametrize("world_size, saved_at", [(1, 7), (2, 10)])
-def test_a_signal_stops_every_rank_on_the_next_deciding_step(tmp_path, world_size, saved_at):
-    preemption = PreemptionCheckpoint(tmp_path / "last.ckpt", decide_every=EVERY)
-    with pytest.raises(Preempted) as stopped:
-        fit(tmp_path, world_size, [preemption], marker=BatchEndMarker(preemption, signal_at=7))
-    assert stopped.value.step == saved_at
-    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == saved_at
+def test_a_signal_stops_every_rank_on_the_next_deciding_step(run_train, image_tree, tmp_path, monkeypatch,
+                                                             world_size, saved_at):
+    done, _ = train(run_train, image_tree, tmp_path, monkeypatch, world_size, signal_at=7)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    (run,) = (tmp_path / "runs" / "vit_nano").iterdir()
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == saved_at
 
 
 class FakeGpus:
@@ -107,9 +116,7 @@ class FakeGpus:
             monkeypatch.setattr(torch.cuda, name, lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: len(self.states))
         monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.states[self.current].clone())
-        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [self.states[i] for i in sorted(self.states)])
         monkeypatch.setattr(torch.cuda, "set_rng_state", self._set)
-        monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: self.states.update(enumerate(states)))
 
     def _set(self, state, device="cuda"):
         self.states[self.current] = state.clone()
@@ -118,16 +125,11 @@ class FakeGpus:
 def test_each_rank_resumes_its_own_gpus_generator_from_what_rank_0_drew(monkeypatch):
     seeded, drawn = torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([9, 9], dtype=torch.uint8)
     FakeGpus({0: drawn, 1: seeded}, current=0).install(monkeypatch)  # rank 0: GPU 1 seeded, never drawn from
-    saved = RandomStates().state_dict()
+    saved = random_states()
     rank1 = FakeGpus({0: seeded, 1: seeded}, current=1)  # rank 1 after a restart, before the checkpoint loads
     rank1.install(monkeypatch)
-    RandomStates().load_state_dict(saved)
+    set_random_states(saved)
     assert torch.equal(rank1.states[1], drawn)  # as far on as rank 1's own generator was when the run stopped
-    old = {**saved, "cuda": [drawn, seeded]}  # a checkpoint written with every GPU's state
-    rank0 = FakeGpus({0: seeded}, current=0)
-    rank0.install(monkeypatch)
-    RandomStates().load_state_dict(old)
-    assert torch.equal(rank0.states[0], drawn)
 
 
 def test_an_apple_gpus_generator_is_saved_and_set_again(monkeypatch):
@@ -135,7 +137,7 @@ def test_an_apple_gpus_generator_is_saved_and_set_again(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.mps, "get_rng_state", lambda device="mps": states["mps"].clone())
     monkeypatch.setattr(torch.mps, "set_rng_state", lambda state, device="mps": states.update(mps=state.clone()))
-    saved = RandomStates().state_dict()
+    saved = random_states()
     states["mps"] = torch.tensor([7, 7], dtype=torch.uint8)  # drawn from after the checkpoint
-    RandomStates().load_state_dict(saved)
+    set_random_states(saved)
     assert torch.equal(states["mps"], torch.tensor([1, 2], dtype=torch.uint8))

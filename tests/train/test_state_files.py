@@ -17,7 +17,7 @@ import pytest
 
 from zoo.models.run_files import read_metrics, read_summary
 from zoo.train import cli
-from zoo.train.device import remembered_choice
+from zoo.train.probes import remembered_choice
 from zoo.train.runs import LOCK_FILE, RunLock
 
 HOLD = ("import sys, time; from pathlib import Path; from zoo.train.runs import RunLock; "

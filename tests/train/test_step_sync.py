@@ -1,12 +1,13 @@
 """A training step makes no host sync (DESIGN's hardware contract), proven on the CPU with a dispatch mode.
 
-Lightning's Trainer fits a tiny ViT on a small ImageFolder tree through the real data path (the uint8 tensor
-dataset, ``on_after_batch_transfer``'s augmentation, the LightningModule's step, the optimizer, the EMA
-callback). ``StepSyncs`` records every aten op from the end of one training batch to the end of the next:
-the logging, scheduler and EMA work of the first, then the next batch's indexing, augmentation, forward,
-backward and optimizer step. Measured: the windows after ``WARMUP`` steps that hold no logging step
-(``log_every_n_steps``: Lightning turns the logged tensors into Python numbers there, one sync per logging
-step, which is allowed) and no NaN check (``nan_check_every``). In those windows the test fails on
+train.py's loop trains a tiny ViT on a small ImageFolder tree through the real data path (the uint8 tensor
+dataset, the batched augmentation, the shared step, the optimizer, the EMA), deciding every ``EVERY`` steps as on
+a GPU (``host_sync_every``). ``StepSyncs`` records every aten op from the end of one training step to the end of
+the next: the decisions and checkpoints of the first, then the next batch's indexing, augmentation, forward,
+backward, optimizer step, EMA and counts. Measured: the windows after ``WARMUP`` steps that hold no logging step
+(metrics.csv's rows read the loss on the host, one sync per logging step, which is allowed; the progress line
+reads it at its own refresh rate likewise, and is left off here) and no decision step. In those windows the test
+fails on
 
 - a read of a device value on the host (``.item()``, ``float(t)``, ``bool(t)``, ``nonzero`` ...: OpRecorder's
   ``SYNC_OPS``; indexing with a boolean mask, whose kernel calls nonzero) or a device-to-host copy;
@@ -23,25 +24,23 @@ checks the label range with ``.item()`` on the CPU, and on CUDA leaves that to a
 
 from __future__ import annotations
 
+import functools
 import linecache
 import traceback
 import weakref
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.plugins import MixedPrecision
+from lightning.fabric import Fabric
+from lightning.fabric.plugins import MixedPrecision
 from torch.utils._pytree import tree_flatten
 
 from zoo.bench.dispatch import SYNC_OPS, OpCall, OpRecorder
-from zoo.train import module as classifier_module
-from zoo.train.callbacks import EMAWeightAveraging
-from zoo.train.data import ImageDataModule
-from zoo.train.data.randaugment import RandAugment
-from zoo.train.module import ImageClassifier
+from zoo.data.randaugment import RandAugment
+from zoo.train import loop
+from zoo.train.progress import Progress
 
-WARMUP, MEASURED, LOG_EVERY = 3, 4, 4  # steps 4-7 are measured; Lightning logs after steps 4 and 8
-TINY = {"embed_dim": 32, "depth": 1, "num_heads": 2, "img_size": 16}
+WARMUP, MEASURED, LOG_EVERY, EVERY = 3, 4, 8, 100  # steps 4-7 are measured; a row (and last.ckpt) after step 8
 
 
 class StepSyncs(OpRecorder):
@@ -125,17 +124,17 @@ def _in_cpu_only_one_hot_check() -> bool:
     return False
 
 
-def host_tensors(trainer: pl.Trainer, dm: ImageDataModule) -> list[torch.Tensor]:
+def host_tensors(run) -> list[torch.Tensor]:
     """The tensors a GPU run keeps on the CPU: torchvision's transform state (MixUp / CutMix's Beta
     distribution), and the step counts of optimizer groups that are neither fused nor capturable (torch.optim
     keeps those on the CPU)."""
     found = []
-    for transform in (dm._augment.mix, dm._augment.randaugment):
+    for transform in (run.data._augment.mix, run.data._augment.randaugment):
         found += _tensors_in(transform)
-    for optimizer in trainer.optimizers:
-        for group in optimizer.param_groups:
-            if not (group.get("fused") or group.get("capturable")):
-                found += [optimizer.state[p]["step"] for p in group["params"] if "step" in optimizer.state[p]]
+    optimizer = run.optimizer
+    for group in optimizer.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            found += [optimizer.state[p]["step"] for p in group["params"] if "step" in optimizer.state[p]]
     return found
 
 
@@ -151,34 +150,24 @@ def _tensors_in(obj, depth: int = 4) -> list[torch.Tensor]:
     return [t for value in values for t in _tensors_in(value, depth - 1)]
 
 
-class CountingLogger(pl.loggers.CSVLogger):
-    """A CSV logger that counts the times Lightning hands it metrics (once per logging step)."""
-
-    calls = 0
-
-    def log_metrics(self, metrics, step=None):
-        self.calls += 1
-        super().log_metrics(metrics, step)
-
-
-class MeasureWindows(pl.Callback):
-    """Records each window from the end of batch ``WARMUP + i`` to the end of the next (placed first, so the
-    window holds the other callbacks' end-of-batch work, e.g. the EMA update, of the step it starts at), with
-    whether Lightning logged in it."""
+class MeasureWindows:
+    """Records each window from the end of step ``WARMUP + i`` to the end of the next, with whether the loop logged a
+    row in it."""
 
     def __init__(self):
         self.windows: list[tuple[StepSyncs, bool]] = []
+        self.rows = 0
         self._open: StepSyncs | None = None
-        self._logged_before = 0
+        self._rows_before = 0
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, run):
         if self._open is not None:
             self._open.__exit__(None, None, None)
-            self.windows.append((self._open, trainer.logger.calls > self._logged_before))
+            self.windows.append((self._open, self.rows > self._rows_before))
             self._open = None
-        if WARMUP <= trainer.global_step < WARMUP + MEASURED:
-            self._logged_before = trainer.logger.calls
-            self._open = StepSyncs(host_tensors(trainer, trainer.datamodule))
+        if WARMUP <= run.position.step < WARMUP + MEASURED:
+            self._rows_before = self.rows
+            self._open = StepSyncs(host_tensors(run))
             self._open.__enter__()
 
 
@@ -189,58 +178,71 @@ def image_tree(tmp_path_factory, image_tree_writer):
 
 
 RECIPES = {
-    "plain": ({}, {}),
-    "ema": ({}, {"ema": True}),
-    "sgd_label_smoothing": ({}, {"optimizer": "sgd", "label_smoothing": 0.1}),
-    "muon": ({}, {"optimizer": "muon"}),
-    "muon_16_mixed": ({}, {"optimizer": "muon", "fp16": True}),
-    "alternating_flip": ({"alternating_flip": True}, {}),
-    "mixup": ({"mixup_alpha": 0.8}, {}),
-    "cutmix": ({"cutmix_alpha": 1.0}, {}),
-    "mixup_cutmix_cutout": ({"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "cutout": 4}, {"ema": True}),
-    "randaugment": ({"randaugment": {"num_ops": 2, "magnitude": 9}}, {}),
+    "plain": [],
+    "ema": ["--set", "ema_decay=0.9"],
+    "sgd_label_smoothing": ["--set", "optimizer=sgd", "--set", "label_smoothing=0.1"],
+    "muon": ["--set", "optimizer=muon"],
+    "muon_16_mixed": ["--set", "optimizer=muon", "fp16"],
+    "alternating_flip": ["--set", "augment.alternating_flip=true"],
+    "mixup": ["--set", "augment.mixup_alpha=0.8"],
+    "cutmix": ["--set", "augment.cutmix_alpha=1.0"],
+    "mixup_cutmix_cutout": ["--set", "augment.mixup_alpha=0.8", "--set", "augment.cutmix_alpha=1.0", "--set",
+                            "augment.cutout=4", "--set", "ema_decay=0.9"],
+    "randaugment": ["--set", "augment.randaugment={num_ops: 2, magnitude: 9}"],
 }
 
 
-def measured_windows(image_tree, tmp_path, augment: dict, options: dict, nan_check_every: int = 100
+def measured_windows(run_train, image_tree, tmp_path, monkeypatch, options: list, every: int = EVERY
                      ) -> list[StepSyncs]:
-    """Fit the tiny ViT for ``WARMUP + MEASURED + 1`` steps and return the recorded windows without a logging
-    step (there is one in the ``MEASURED`` windows: the step where ``global_step % LOG_EVERY == 0``)."""
-    pl.seed_everything(0, verbose=False)
-    dm = ImageDataModule(image_tree, img_size=16, batch_size=8, val_size=8, augment=augment,
-                         cache_dir=tmp_path / "cache")
-    module = ImageClassifier("vit_nano", TINY, num_classes=10, optimizer=options.get("optimizer", "adamw"),
-                             label_smoothing=options.get("label_smoothing", 0.0), nan_check_every=nan_check_every)
+    """Train the tiny ViT for ``WARMUP + MEASURED + 1`` steps and return the recorded windows without a logging
+    step; the decisions every ``every`` steps."""
     windows = MeasureWindows()
-    callbacks = [windows] + ([EMAWeightAveraging(0.9)] if options.get("ema") else [])
-    # fp16 autocast with a GradScaler, as on a GPU (Lightning's precision="16-mixed" falls back to bf16 on a CPU)
-    plugins = [MixedPrecision("16-mixed", "cpu")] if options.get("fp16") else []
-    trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=plugins, max_steps=WARMUP + MEASURED + 1,
-                         limit_val_batches=0, logger=CountingLogger(tmp_path), log_every_n_steps=LOG_EVERY,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=tmp_path)
-    trainer.fit(module, datamodule=dm)
+    real_log = loop.log
+
+    def counted(run, row):
+        windows.rows += 1
+        real_log(run, row)
+
+    def fabric_for(plan, callbacks):  # fp16 autocast with a GradScaler, as on a GPU (Fabric has none on a CPU)
+        fp16 = [MixedPrecision("16-mixed", "cpu")] if "fp16" in options else []
+        return Fabric(accelerator="cpu", devices=1, callbacks=[*callbacks], plugins=fp16,
+                      **({} if fp16 else {"precision": "32-true"}))
+
+    monkeypatch.setattr(loop, "log", counted)
+    monkeypatch.setattr(loop, "host_sync_every", lambda device_type: every)
+    monkeypatch.setattr(loop, "make_fabric", fabric_for)
+    monkeypatch.setattr(loop, "fit", functools.partial(loop.fit, callbacks=[windows]))
+    monkeypatch.setattr(Progress, "due", lambda self, step: False)  # the progress line's own read, as logging's
+    done = run_train(["--model", "vit_nano", "--data-dir", image_tree, "--img-size", "16", "--batch-size", "8",
+                      "--set", "val_size=8", "--set", "label_smoothing=0", "--precision", "32", "--epochs", "1",
+                      "--limit-train-batches", str(WARMUP + MEASURED + 1), "--limit-val-batches", "1",
+                      "--limit-test-batches", "1", "--ckpt-every-n-steps", str(LOG_EVERY), "--ckpt-every-minutes",
+                      "0", "--set", "model_args.embed_dim=32", "--set", "model_args.depth=1", "--set",
+                      "model_args.num_heads=2", "--out", tmp_path / "runs", "--cache-dir", tmp_path / "cache",
+                      *[o for o in options if o != "fp16"]])
+    assert done.returncode == 0, done.stderr[-2000:]
     measured = [window for window, logged in windows.windows if not logged]
-    assert len(windows.windows) == MEASURED and len(measured) == MEASURED - MEASURED // LOG_EVERY
+    assert len(windows.windows) == MEASURED and len(measured) == MEASURED
     for window in measured:
         assert any(c.name in ("addmm", "mm", "bmm") for c in window.compute)  # a whole step was recorded
     return measured
 
 
-@pytest.mark.parametrize("recipe", RECIPES.values(), ids=list(RECIPES))
-def test_training_steps_between_logging_steps_make_no_host_sync(recipe, image_tree, tmp_path, monkeypatch):
+@pytest.mark.parametrize("options", RECIPES.values(), ids=list(RECIPES))
+def test_training_steps_between_logging_steps_make_no_host_sync(options, run_train, image_tree, tmp_path,
+                                                                monkeypatch):
     # RandAugment reads its draws on the host on a CPU alone (where that costs nothing): the path of every device
     monkeypatch.setattr(RandAugment, "grouped_on_cpu", False)
-    monkeypatch.setattr(classifier_module, "FUSED_OPTIMIZER_DEVICES", ("cpu",))  # the optimizers a GPU run builds
-    for window in measured_windows(image_tree, tmp_path, *recipe):
+    monkeypatch.setattr(loop, "FUSED_OPTIMIZER_DEVICES", ("cpu",))  # the optimizers a GPU run builds
+    for window in measured_windows(run_train, image_tree, tmp_path, monkeypatch, options):
         syncs = [f"{c.name} at {site}" for c, site in zip(window.device_syncs, window.sync_sites, strict=True)]
         assert syncs == []
         assert window.uploads <= 1, f"{window.uploads} tensors built from Python data met device data in one step"
 
 
-def test_the_recorder_sees_the_nan_checks_read_of_the_device_flag(image_tree, tmp_path):
-    """The NaN check reads the flag on the host once per check: checked at every step, each window has that one
-    sync and no other, so the recorder does see a read made through Lightning's loop."""
-    for window in measured_windows(image_tree, tmp_path, {}, {}, nan_check_every=1):
+def test_the_recorder_sees_the_nan_checks_read_of_the_device_flag(run_train, image_tree, tmp_path, monkeypatch):
+    """The NaN check reads the flag on the host once per decision: deciding at every step (as on a CPU), each
+    window has that one sync and no other, so the recorder does see a read made by the loop."""
+    for window in measured_windows(run_train, image_tree, tmp_path, monkeypatch, [], every=1):
         assert [c.name for c in window.device_syncs] == ["_local_scalar_dense"]
-        assert "module.py" in window.sync_sites[0]
+        assert "loop.py" in window.sync_sites[0]

@@ -5,26 +5,25 @@ with the same seed under the same random augmentation (crop, flip, RandAugment, 
 
 from __future__ import annotations
 
+import functools
 import pickle
-from types import SimpleNamespace
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-import zoo.train.data.stream as stream
-from zoo.train.data import ImageDataModule
-from zoo.train.module import ImageClassifier
+import zoo.data.stream as stream
+from zoo.data import ImageData
+from zoo.train import loop
 from zoo.train.recipe import Recipe
 
 AUGMENT = {"crop_padding": 4, "hflip": True, "alternating_flip": False, "randaugment": {"num_ops": 2, "magnitude": 9},
            "mixup_alpha": 0.2, "cutmix_alpha": 1.0, "cutout": 8}
 
 
-def data(cifar_dir, tmp_path, budget: float | None, **kwargs) -> ImageDataModule:
+def data(cifar_dir, tmp_path, budget: float | None, **kwargs) -> ImageData:
     options = dict(max_train_images=120, max_test_images=30, val_size=20, batch_size=16, eval_batch_size=16,
                    seed=3, cache_dir=tmp_path / "cache", stream_workers=2)
-    return ImageDataModule(cifar_dir, memory_budget=budget, **{**options, **kwargs})
+    return ImageData(cifar_dir, memory_budget=budget, **{**options, **kwargs})
 
 
 def test_the_budget_is_given_in_gib_or_half_the_measured_free_memory(monkeypatch):
@@ -38,19 +37,16 @@ def test_the_budget_is_given_in_gib_or_half_the_measured_free_memory(monkeypatch
     with pytest.raises(ValueError, match="data_memory_budget must be a non-negative number, got -1"):
         Recipe(data_memory_budget=-1)
     with pytest.raises(ValueError, match="memory_budget must be None or a number of GiB >= 0, got 'x'"):
-        ImageDataModule(memory_budget="x")
+        ImageData(memory_budget="x")
 
 
 def test_streamed_batches_are_the_resident_batches(cifar_dir, tmp_path):
     """Two epochs of training batches (the alternating flip mirrors the other half in epoch 1), validation and
     test, from 2 workers reading the memory map, equal the resident module's; pickling the dataset (what a
     spawned worker receives) copies no images."""
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), training=False,
-                              world_size=1, global_rank=0, num_devices=1, current_epoch=0)
     modules = {}
     for budget in (None, 0.0):
         dm = data(cifar_dir, tmp_path, budget, augment={"alternating_flip": True})
-        dm.trainer = trainer
         dm.prepare_data()
         dm.setup("fit")
         dm.setup("test")
@@ -65,7 +61,7 @@ def test_streamed_batches_are_the_resident_batches(cifar_dir, tmp_path):
     loaders = {dm: dm.train_dataloader() for dm in (resident, streamed)}
     assert loaders[streamed].num_workers == 2 and loaders[resident].num_workers == 0
     for epoch in (0, 1):
-        trainer.current_epoch = epoch
+        resident.epoch = streamed.epoch = epoch
         batches = {dm: list(loader) for dm, loader in loaders.items()}
         assert len(batches[resident]) == 100 // 16
         for (x, y), (xs, ys) in zip(batches[resident], batches[streamed], strict=True):
@@ -76,49 +72,55 @@ def test_streamed_batches_are_the_resident_batches(cifar_dir, tmp_path):
 
 
 def test_the_test_setup_keeps_the_fits_choice(cifar_dir, tmp_path, monkeypatch):
-    """With the trainer, the fit's setup decides; the test's (after training filled the device) keeps it. A setup
-    without the trainer (before it exists, on the CPU) decides for itself."""
-    from zoo.train.data import module
+    """The fit's setup on a device decides; the test's on that device (after training filled it) keeps it, and so
+    does a test-only setup later; the ranks' ``agree`` makes the decision one for all."""
+    from zoo.data import images
 
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), training=False,
-                              world_size=1, global_rank=0, num_devices=1, current_epoch=0)
     dm = data(cifar_dir, tmp_path, None)
     dm.prepare_data()
-    full = iter([True, False, True])  # what the budget says at each decision
-    monkeypatch.setattr(module, "stream_needed", lambda *args: next(full))
-    dm.setup("fit")  # no trainer yet
-    assert dm.streamed is True
-    dm.trainer = trainer
-    dm.setup("fit")
-    dm.setup("test")  # the budget would now say True: kept False
+    full = iter([False, True])  # what the budget says at each decision
+    monkeypatch.setattr(images, "stream_needed", lambda *args: next(full))
+    dm.setup("fit", device="cpu")
+    dm.setup("test", device="cpu")  # the budget would now say True: kept False
     assert dm.streamed is False and type(dm.test_dataset).__name__ == "_TensorBatches"
+    other = data(cifar_dir, tmp_path, None)
+    monkeypatch.setattr(images, "stream_needed", lambda *args: False)
+    other.setup("fit", device="cpu", agree=lambda mine: True)  # another rank's budget says stream: all do
+    assert other.streamed is True
 
 
-class Losses(pl.Callback):
+class Losses:
     def __init__(self):
-        self.losses = []
+        self.losses, self.streamed = [], None
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].detach().clone())
+    def on_train_start(self, run):
+        self.streamed = run.data.streamed
+
+    def on_train_batch_end(self, run):
+        self.losses.append(run.totals.sums[0].clone())  # the loss times the images, summed so far
 
 
-def test_streamed_training_takes_the_resident_steps(cifar_dir, tmp_path):
+def test_streamed_training_takes_the_resident_steps(run_train, cifar_dir, tmp_path, monkeypatch):
     """The budget forced to 0 GiB: the first training steps' losses equal the resident path's, seed for seed, with
     RandAugment, mixup / cutmix and cutout drawn after the batch reaches the device."""
     seen = {}
-    for budget in (None, 0.0):
-        dm = data(cifar_dir, tmp_path, budget, augment=AUGMENT)
-        pl.seed_everything(0, workers=True, verbose=False)
-        module = ImageClassifier("vit_nano", {"embed_dim": 32, "depth": 1, "num_heads": 2}, num_classes=10)
+    sets = [f"augment.{key}={value}" for key, value in AUGMENT.items() if key != "randaugment"]
+    sets += ["augment.randaugment={num_ops: 2, magnitude: 9}"]
+    for budget in ("null", "0"):
         losses = Losses()
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[losses])
-        trainer.fit(module, datamodule=dm)
-        assert dm.streamed is (budget == 0.0)
+        monkeypatch.setattr(loop, "fit", functools.partial(loop.fit, callbacks=[losses]))
+        done = run_train(["--model", "vit_nano", "--data-dir", cifar_dir, "--max-train-images", "120",
+                          "--max-test-images", "16", "--set", "val_size=20", "--batch-size", "16", "--seed", "3",
+                          "--epochs", "1", "--limit-train-batches", "4", "--limit-val-batches", "0",
+                          "--limit-test-batches", "1", "--precision", "32", "--set", "model_args.embed_dim=32",
+                          "--set", "model_args.depth=1", "--set", "model_args.num_heads=2", "--set",
+                          f"data_memory_budget={budget}", "--cache-dir", tmp_path / "cache", "--out",
+                          tmp_path / budget, *[arg for item in sets for arg in ("--set", item)]])
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert losses.streamed is (budget == "0")
         seen[budget] = torch.stack(losses.losses)
-    assert len(seen[None]) == 4 and torch.isfinite(seen[None]).all()
-    assert torch.equal(seen[None], seen[0.0])
+    assert len(seen["null"]) == 4 and torch.isfinite(seen["null"]).all()
+    assert torch.equal(seen["null"], seen["0"])
 
 
 def test_a_streamed_run_keeps_its_images_when_another_process_rebuilds_the_cache(cifar_dir, tmp_path):
@@ -130,8 +132,6 @@ def test_a_streamed_run_keeps_its_images_when_another_process_rebuilds_the_cache
     from zoo.atomic import atomic_write
 
     dm = data(cifar_dir, tmp_path, 0.0)
-    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), training=False,
-                                 world_size=1, global_rank=0, num_devices=1, current_epoch=0)
     dm.prepare_data()
     dm.setup("fit")
     assert dm.streamed

@@ -1,10 +1,10 @@
-"""Measuring speed and memory: timing and memory primitives (``timing``), the input pipeline's speed
-(``pipeline``), the side-by-side suite that ``eval.py --bench-suite`` runs (``suite``) and sliding-window
-attention, dense vs masked vs banded vs flex (``sparse``, ``python -m zoo.bench.sparse``), training
-throughput per precision / memory format / compile (``modes``) and the short recipe's ablation, one training
-run per variant and seed (``ablation``, ``python -m zoo.bench.ablation``), measurements as data under
-``results/`` (``results``) and BENCHMARKS.md rendered from them (``report``, ``python -m zoo.bench.report``).
-Imports ``zoo.models`` and ``zoo.layers`` (and ``zoo.train``'s data module for the input-pipeline measurement)."""
+"""Measuring speed and memory, for users timing their own models as the zoo times its own: timing and memory
+primitives (``timing``), the input pipeline's speed (``pipeline``), where a model's training time goes (``parts``),
+sliding-window attention, dense vs masked vs banded vs flex (``sparse``, ``python -m zoo.bench.sparse``), the
+side-by-side suite that ``eval.py --bench-suite`` runs (``suite``), and ``OpRecorder`` (``dispatch``), which sees every
+aten op of a step with its dtypes and host syncs. The project's own records of such measurements, and BENCHMARKS.md
+made from them, live beside the package in ``benchmarks/``. Imports ``zoo.data``, ``zoo.runtime``, ``zoo.models``
+and ``zoo.layers``."""
 
 from .pipeline import measure_throughput
 from .timing import (

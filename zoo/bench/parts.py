@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import create_model
-from ..train.device import machine_name
+from ..runtime.machine import machine_name
 from .timing import autocast_for, interleaved_medians
 
 

@@ -1,4 +1,4 @@
-"""Speed of the input pipeline alone: batches of a set-up ``zoo.train.data.ImageDataModule`` loaded, moved
+"""Speed of the input pipeline alone: batches of a set-up ``zoo.data.ImageData`` loaded, moved
 to a device and augmented (or only normalised), in images/s, with no model in the loop."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..train.device import synchronize
+from ..runtime.timing import synchronize
 
 if TYPE_CHECKING:
-    from ..train.data import ImageDataModule
+    from ..data import ImageData
 
 
-def measure_throughput(dm: ImageDataModule, num_batches: int = 50, *, train: bool = True,
+def measure_throughput(dm: ImageData, num_batches: int = 50, *, train: bool = True,
                        device: str | torch.device | None = None, warmup: int = 3) -> float:
     """Images/s of the input pipeline alone: load a batch, move it to ``device``, augment (``train``) or only
     normalise. ``dm`` must be set up; its training loader is cycled as often as needed."""

@@ -205,49 +205,16 @@ def run(out: str | Path, quick: bool = False, device=None, memory: bool = True) 
     return results
 
 
-def results_records(found: dict, command: str, window: int = 64) -> list[dict]:
-    """``zoo.bench.results`` records of a run: one per mode (training = fwd+bwd, inference = fwd), a row per N
-    with each candidate's {"ms", "mib"} at ``window`` (the windowless candidates from that N's first row),
-    and the claims of that mode."""
-    from . import results
-
-    records = []
-    for mode, what in (("fwd+bwd", "training"), ("fwd", "inference")):
-        rows = []
-        for n in sorted({r["n"] for r in found["rows"] if r["mode"] == mode}):
-            cells = {}
-            # the window's own row first; a first-window row adds only the windowless candidates (dense, math)
-            for r in sorted(found["rows"], key=lambda r: r["window"] != window):
-                if r["n"] == n and r["mode"] == mode and (r["window"] == window or "dense_ms" in r):
-                    for name in (k[:-3] for k in r if k.endswith("_ms")):
-                        cells.setdefault(name, {"ms": r[f"{name}_ms"], "mib": r.get(f"{name}_mb")})
-            if cells:
-                rows.append({"n": n, **cells})
-        # a claim belongs to the mode its words name ("fwd+bwd" contains "fwd": test the longer first)
-        claims = [{"claim": f"{c['claim']} ({c['unit']})", "measured": f"{c['measured']:.3g}x"} for c in found["claims"]
-                  if ("fwd+bwd" in c["claim"] + c["unit"]) == (mode == "fwd+bwd")]
-        if rows:
-            records.append(results.make("sparse", f"Sliding-window attention that skips work, {what}", command, {
-                "setting": f"one self-attention layer, B=1, 3 heads, head dim 64, window ±{window}, {mode}; "
-                           "memory: peak of the allocator's tensor events", "rows": rows, "claims": claims}))
-    return records
-
-
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m zoo.bench.sparse", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_sparse", help="folder for sparse.json and sparse.md")
     p.add_argument("--quick", action="store_true", help="small sizes, one repeat: a smoke run")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     p.add_argument("--no-memory", action="store_true", help="timings only (no memory pass)")
-    p.add_argument("--results", metavar="DIR", help="also record the measurement in DIR (results/) for the report")
     args = p.parse_args(argv)
     found = run(args.out, quick=args.quick, device=args.device, memory=not args.no_memory)
     print(_table(found["claims"]))
-    if args.results:
-        from . import results
-
-        for record in results_records(found, results.command_line("zoo.bench.sparse", argv)):
-            print(results.write(record, args.results))
+    return found
 
 
 if __name__ == "__main__":

@@ -252,16 +252,15 @@ def bench_pipeline(data_dir: str | None, batch: int = 128, batches: int = 50, de
                    recipe_model: str = "vit_tiny", **data_kwargs) -> dict:
     """The input pipeline alone, as a training run feeds it: batches from the uint8 cache resident on the device,
     the ``recipe_model``'s own augmentation (vit_tiny's: crop, flip, RandAugment, mixup / cutmix), normalised, in
-    images/s. ``data_kwargs`` go to zoo.data.ImageDataModule (e.g. max_train_images, cache_dir)."""
-    from dataclasses import asdict
+    images/s. ``data_kwargs`` go to zoo.data.ImageData (e.g. max_train_images, cache_dir)."""
+    import yaml
 
-    from ..train.data import ImageDataModule
-    from ..train.recipe import resolve_config
+    from ..data import ImageData
     from .pipeline import measure_throughput
 
     device = torch.device(device or default_device())
-    augment = asdict(resolve_config(recipe_model).augment)
-    dm = ImageDataModule(data_dir, batch_size=batch, augment=augment, device_cache=device, **data_kwargs)
+    augment = yaml.safe_load((Path(__file__).parents[1] / "configs" / f"{recipe_model}.yaml").read_text())["augment"]
+    dm = ImageData(data_dir, batch_size=batch, augment=augment, device_cache=device, **data_kwargs)
     dm.prepare_data()
     dm.setup("fit")
     img_s = measure_throughput(dm, num_batches=batches, device=device)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..train.device import interleaved_medians, synchronize  # noqa: F401  (re-exported: zoo.bench's API)
+from ..runtime.timing import interleaved_medians, synchronize  # noqa: F401  (re-exported: zoo.bench's API)
 
 Shape = tuple[int, int, int]  # (C, H, W) of one image
 PRECISIONS = {"32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

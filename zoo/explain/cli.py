@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from zoo.train.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
+from zoo.runtime.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,8 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--absolute-scale", action="store_true", help="--faithfulness draws each method's maps on one "
                    "absolute colour scale instead of scaling every map min->max")
     p.add_argument("--benchmark", action="store_true", help="inference / training images/s, latency, memory")
-    p.add_argument("--results", metavar="DIR",
-                   help="with --bench-suite: also record the measurement in DIR (results/) for the report")
     p.add_argument("--precision", default="32", choices=("32", "32-true", "bf16-mixed", "16-mixed"),
                    help="benchmark precision (zoo.bench.timing.PRECISIONS)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda when a GPU is visible, else mps on Apple "
@@ -83,14 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.results and not args.bench_suite:
-        p.error("--results records the measurement of --bench-suite: give it with --bench-suite")
     return args
 
 
 def main(argv=None) -> int:
-    from zoo.train.host_memory import keep_freed_memory
-    from zoo.train.quiet import zoo_warnings_in_one_line
+    from zoo.runtime.console import zoo_warnings_in_one_line
+    from zoo.runtime.memory import keep_freed_memory
 
     line_buffered_output()
     zoo_warnings_in_one_line("eval.py")
@@ -98,7 +94,7 @@ def main(argv=None) -> int:
     args = parse_or_exit_code(parse_args, argv)
     if isinstance(args, int):
         return args
-    from zoo.train.device import eval_device
+    from zoo.runtime.device import eval_device
 
     try:
         eval_device(args.device)  # a bad --device fails here, before the heavy imports and any work
@@ -116,12 +112,8 @@ def main(argv=None) -> int:
             from zoo.bench.suite import run_suite
 
             check_out_dir(args.out)
-            found = run_suite(args.out, data_dir=args.data_dir, device=args.device)
+            run_suite(args.out, data_dir=args.data_dir, device=args.device)
             print(open(f"{args.out}/bench.md").read())
-            if args.results:
-                from zoo.bench import results
-
-                print(results.write(results.from_suite(found, results.command_line("eval.py", argv)), args.results))
             return 0
         if args.report:
             from zoo.explain.html_report import html_report
@@ -155,9 +147,9 @@ def main(argv=None) -> int:
                               deletion_images=args.deletion_images if args.deletion else 0,
                               benchmark=args.benchmark, precision=args.precision, device=args.device,
                               cache_dir=args.cache_dir)
-    except (ValueError, OSError) as err:  # zoo.train.data.DataError is a ValueError
+    except (ValueError, OSError) as err:  # zoo.data.DataError is a ValueError
         return error_line("eval.py", err)
-    from zoo.train.distributed import is_global_zero
+    from zoo.runtime.distributed import is_global_zero
 
     if not is_global_zero():
         return 0
@@ -179,7 +171,7 @@ def one_device_under_launcher(args: argparse.Namespace) -> int | None:
     rank 0 alone: rank 0 says so in one line and goes on (None), the other ranks exit with 0."""
     if args.checkpoint or args.pretrained:
         return None
-    from zoo.train.distributed import external_environment
+    from zoo.runtime.distributed import external_environment
 
     environment = external_environment()
     if environment is None or environment.world_size() <= 1:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from ..atomic import atomic_write_csv, atomic_write_text
 from ..bench.timing import measure_inference
+from ..data.run_data import data_for_run
 from ..models.checkpoints import load_run
 from ..models.registry import model_info
-from ..train.data.run_data import data_module_for
-from ..train.device import eval_device
+from ..runtime.device import eval_device
 from . import figures as viz
 from .faithfulness import deletion_test
 from .leaderboard import best_method, read_csv
@@ -73,7 +73,7 @@ def compare_runs(run_dirs: Sequence[str | Path], out: str | Path, *, data_dir: s
     for run_dir, (model, meta) in zip(run_dirs, loaded, strict=True):
         model.to(device)
         summary = meta["summary"]
-        dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size,
+        dm = data_for_run(meta, data_dir=data_dir, batch_size=batch_size,
                              max_test_images=max(deletion_images, grid_images), cache_dir=cache_dir)
         metrics = _run_json(run_dir, "metrics.json") or {}
         bench = _run_json(run_dir, "benchmark.json") or {}

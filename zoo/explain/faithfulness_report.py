@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_write_text
+from ..data import ImageData
+from ..data.run_data import data_for_run
 from ..models.checkpoints import load_run, load_shipped
-from ..train.data import ImageDataModule
-from ..train.data.run_data import data_module_for
-from ..train.device import eval_device
+from ..runtime.device import eval_device
 from . import figures as viz
 from . import leaderboard as board
 from .methods import check_methods
@@ -39,7 +39,7 @@ DEFAULT_REMOVALS = ("zero",)  # blur and mean each add about the time of zero, R
 PRETRAINED = "pretrained:"
 
 
-def balanced_test_images(dm: ImageDataModule, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def balanced_test_images(dm: ImageData, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` uint8 test images and their labels (all the test split has, where it has fewer), the same
     number from every class (the first classes take one more where ``count`` does not divide evenly; a class
     with too few gives all it has and the others make up for it, so a subset missing a class still gives
@@ -111,7 +111,7 @@ def faithfulness_report(sources: Sequence[str | Path], out: str | Path, *, data_
         model.to(device).eval()
         if progress:
             print(f"{label}: reading the test images", flush=True)
-        dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, cache_dir=cache_dir)
+        dm = data_for_run(meta, data_dir=data_dir, batch_size=batch_size, cache_dir=cache_dir)
         if str(source).startswith(PRETRAINED):  # normalised as the weights were trained
             dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
         images, labels = balanced_test_images(dm, num_images)

@@ -5,7 +5,7 @@ curves with bootstrap bands and its grid of the same images explained by every m
 ``matplotlib.figure.Figure`` directly: no pyplot, so no backend is chosen or switched and no display is needed.
 
 Every ``*_figure`` function returns a ``matplotlib.figure.Figure``; ``save`` writes it as a PNG.
-Images are (3, H, W) floats in [0, 1] (``ImageDataModule.denormalize``); heatmaps are (gh, gw), any scale.
+Images are (3, H, W) floats in [0, 1] (``ImageData.denormalize``); heatmaps are (gh, gw), any scale.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 side by side and opens offline (figures embedded as ``data:`` URIs, no script, no network), beside the files it
 is built from:
 
-- per model: test top-1 plain and with test-time augmentation (``zoo.train.tta.REPORTED_TTA``, the level README
+- per model: test top-1 plain and with test-time augmentation (``zoo.models.tta.REPORTED_TTA``, the level README
   and the model cards report: mirror + one-pixel shifts) on as many test images as the leaderboard uses (or
   ``accuracy_images``), parameters, FLOPs, inference and training images/s on this machine (``zoo.bench.timing``,
   a short measurement), with the CPU's name and a note where the machine was busy (load average above its cores);
@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_write_json, atomic_write_text
-from ..bench.results import machine_facts
 from ..bench.timing import measure_inference, measure_training
+from ..data.run_data import data_for_run
 from ..models.registry import model_info
-from ..train.data.run_data import data_module_for
-from ..train.device import eval_device
-from ..train.tta import REPORTED_TTA, TTA_NAMES, tta_logits
+from ..models.tta import REPORTED_TTA, TTA_NAMES, tta_logits
+from ..runtime.device import eval_device
+from ..runtime.machine import machine_facts
 from . import figures as viz
 from . import leaderboard as board
 from .faithfulness_report import (
@@ -130,7 +130,7 @@ def html_report(sources: Sequence[str | Path], out: str | Path, *, data_dir: str
         model.to(eval_device(device)).eval()
         if progress:
             print(f"{label}: reading a seeded subset of {accuracy_images:,} test images", flush=True)
-        dm = data_module_for(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=accuracy_images,
+        dm = data_for_run(meta, data_dir=data_dir, batch_size=batch_size, max_test_images=accuracy_images,
                              cache_dir=cache_dir)
         if str(source).startswith(PRETRAINED):
             dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
@@ -161,7 +161,7 @@ def html_report(sources: Sequence[str | Path], out: str | Path, *, data_dir: str
 
 def measured_on(device: torch.device) -> str:
     """The device the throughput ran on, in words: the GPU's name, else the CPU's name (/proc/cpuinfo's model
-    name, ``zoo.bench.results.machine_facts``), its cores and torch's threads; torch's version."""
+    name, ``zoo.runtime.machine.machine_facts``), its cores and torch's threads; torch's version."""
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     elif device.type == "mps":

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch.nn.functional as F
 
+from ..data.run_data import data_for_run
 from ..models.checkpoints import load_shipped
-from ..train.data.run_data import data_module_for
 from . import figures as viz
 from .faithfulness_report import balanced_test_images
 from .methods import attribute
@@ -34,7 +34,7 @@ def readme_figure(data_dir: str | None, out: str | Path, *, num_images: int = 5,
     for name, method in rows:
         model, meta = load_shipped(name)
         model.eval()
-        dm = data_module_for(meta, data_dir=data_dir)
+        dm = data_for_run(meta, data_dir=data_dir)
         dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
         shown, labels = balanced_test_images(dm, num_images)
         if images is None:

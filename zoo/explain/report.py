@@ -21,11 +21,11 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 
 from ..atomic import atomic_write_json, atomic_write_text
 from ..bench.timing import benchmark_model
+from ..data import DataError, ImageData, data_class_names
+from ..data.run_data import data_for_run
 from ..models.checkpoints import load_run, load_shipped
-from ..train.data import DataError, ImageDataModule, data_class_names
-from ..train.data.run_data import data_module_for
-from ..train.device import eval_device
-from ..train.distributed import is_global_zero, open_process_group, rank_zero_first
+from ..runtime.device import eval_device
+from ..runtime.distributed import is_global_zero, open_process_group, rank_zero_first
 from . import figures as viz
 from .faithfulness import deletion_test
 from .progress import counted
@@ -95,7 +95,7 @@ def most_confused(matrix: torch.Tensor, class_names: Sequence[str], top: int = 5
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dm: ImageDataModule, *, progress_on: bool = True) -> tuple[dict, torch.Tensor]:
+def evaluate(model: nn.Module, dm: ImageData, *, progress_on: bool = True) -> tuple[dict, torch.Tensor]:
     """Test-set metrics of ``model`` on ``dm`` (set up for "test"): ({"test_top1", "test_top5",
     "test_cross_entropy" (plain: no label smoothing, no test-time augmentation), "per_class_accuracy":
     {name: fraction, None for a class none of the tested images holds}, "most_confused": [...], "num_images"},
@@ -144,7 +144,7 @@ def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return [float(v) for v in sums.tolist()]
 
 
-def spread_test_images(dm: ImageDataModule, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def spread_test_images(dm: ImageData, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` uint8 test images and labels evenly spaced through the test set, which is stored sorted by
     class, so a few images cover every class instead of the first one."""
     n = len(dm.test_dataset.labels)
@@ -152,7 +152,7 @@ def spread_test_images(dm: ImageDataModule, count: int) -> tuple[torch.Tensor, t
     return dm.test_dataset.images[index], dm.test_dataset.labels[index]
 
 
-def explain_images(model: nn.Module, dm: ImageDataModule, num_images: int, out: Path) -> list[Path]:
+def explain_images(model: nn.Module, dm: ImageData, num_images: int, out: Path) -> list[Path]:
     """For ``num_images`` test images spread over the classes: the attention maps of every layer over the
     final token set (maps_<i>.npy, (L, H, N, N), as the rollout uses them) and their PNG grid, CBAM gates
     (cbam_<i>_stage<k>.npy), and one figure per image (image | rollout overlay | CBAM stage maps) titled with
@@ -208,7 +208,7 @@ def attention_index(out: Path, files: Sequence[Path], names: Sequence[tuple[str,
     return out / "index.html"
 
 
-def run_deletion(model: nn.Module, dm: ImageDataModule, num_images: int, out: Path, *, title: str) -> dict:
+def run_deletion(model: nn.Module, dm: ImageData, num_images: int, out: Path, *, title: str) -> dict:
     """Deletion test on ``num_images`` test images spread over the classes; writes deletion.json and
     deletion.png."""
     images, labels = spread_test_images(dm, num_images)
@@ -238,7 +238,7 @@ def evaluate_run(checkpoint: str | Path | None, out: str | Path, *, pretrained: 
     check_out_dir(out)
     model.to(device)
     name = meta["model_name"]
-    dm = rank_zero_first(lambda: data_module_for(meta, data_dir=data_dir, batch_size=batch_size,
+    dm = rank_zero_first(lambda: data_for_run(meta, data_dir=data_dir, batch_size=batch_size,
                                                  max_test_images=max_test_images, cache_dir=cache_dir))
     if pretrained:  # normalised as the weights were trained, whatever the statistics of this copy of the data
         dm.use_normalization(model.pretrained_cfg["mean"], model.pretrained_cfg["std"])

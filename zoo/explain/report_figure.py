@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..train.console import error_line
+from ..runtime.console import error_line
 from . import html_report as report
 from . import leaderboard as board
 

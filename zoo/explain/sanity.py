@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..train.device import forked_generators
+from ..runtime.random import forked_generators
 from .methods import attribute
 
 

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from .backends import Masking
 from .masks import MaskSpec
+
+if TYPE_CHECKING:  # the masks' carrier is backends'; only its annotations are needed here
+    from .backends import Masking
 
 CPU_KEY_MULTIPLE = 16  # keys padded to a multiple of this on the CPU for heads of at most 16 channels
 

@@ -1,4 +1,4 @@
-"""Train a zoo model on CIFAR-10 (or an ImageFolder tree) with Lightning; prints the run directory last.
+"""Train a zoo model on CIFAR-10 (or an ImageFolder tree) on Lightning Fabric; prints the run directory last.
 
     python train.py --model vit_tiny
     python train.py --model vit_tiny --data-dir DATA --max-time 00:00:10:00
@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from zoo.train.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
+from zoo.runtime.console import OneLineParser, error_line, line_buffered_output, parse_or_exit_code
 
 CLI_ONLY = ("config", "set", "list_models", "print_config")  # flags that are not recipe keys
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from zoo.train.quiet import zoo_warnings_in_one_line
+    from zoo.runtime.console import zoo_warnings_in_one_line
 
     line_buffered_output()
     zoo_warnings_in_one_line("train.py")
@@ -74,8 +74,8 @@ def main(argv=None) -> int:
 
         print(models_table())
         return 0
-    from zoo.train.device import resolve_accelerator
-    from zoo.train.loggers import require_loggers
+    from zoo.runtime.device import resolve_accelerator
+    from zoo.train.metrics import require_loggers
     from zoo.train.recipe import resolve_config
 
     try:  # argument errors come before Lightning is imported or any data is read
@@ -90,21 +90,22 @@ def main(argv=None) -> int:
         return error_line("train.py", err)
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    from zoo.train.fit import fit
-    from zoo.train.module import NonFiniteLossError
+    from zoo.runtime.distributed import is_global_zero
+    from zoo.train import loop
     from zoo.train.preemption import Interrupted, Preempted
 
     try:
-        run_dir = fit(recipe)
+        run_dir = loop.fit(recipe)
     except (Preempted, Interrupted) as stop:  # a signal in training (last.ckpt saved at that step) or outside it
-        print(f"train.py: {stop}", file=sys.stderr)
+        if is_global_zero():  # one line for the run, not one a process
+            print(f"train.py: {stop}", file=sys.stderr)
         return stop.code
     except KeyboardInterrupt:  # Ctrl-C where fit had no handler of its own
         print("train.py: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     except (ValueError, MisconfigurationException) as err:  # user errors, DataError included
         return error_line("train.py", err)
-    except NonFiniteLossError as err:
+    except loop.NonFiniteLossError as err:
         return error_line("train.py", err, 1)
     print(run_dir)
     return 0

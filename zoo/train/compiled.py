@@ -1,8 +1,8 @@
-"""The optimizer side of ``compile: step``: ``CompiledStep`` runs Lightning's closure (the compiled forward, loss and
-backward of ``module.compiled_train_loss``, and under DDP the gradient all-reduce beside it), then one compiled graph
-(``torch.compile(fullgraph=True)``, so no graph break) of the optimizer step (AdamW with ``foreach`` and
+"""The optimizer side of ``compile: step``: after the compiled forward, loss and backward of
+``step.compiled_train_loss`` (and under DDP the gradient all-reduce beside it), ``CompiledStep`` runs one compiled
+graph (``torch.compile(fullgraph=True)``, so no graph break) of the optimizer step (AdamW with ``foreach`` and
 ``capturable``, or the batched Muon of ``optim.MuonAdamW``, each learning rate a device tensor), the EMA of the
-weights (``callbacks.EMAWeightAveraging`` hands its update in) and the next step's learning rate, computed on the
+weights (``optim.EMA.update``, handed in through ``after_step``) and the next step's learning rate, computed on the
 device from the step count (``schedule_value``: ``optim.WarmupDecay`` in tensor arithmetic). Nothing in the step
 reads a device value on the host, and the rate changing step after step compiles nothing new.
 
@@ -20,12 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 from .optim import WarmupDecay, unwrapped_step
 
-__all__ = ["CompiledStep", "StepSchedule", "compile_cache_dir", "inductor_cache_counts", "schedule_value",
-           "use_compile_cache"]
+__all__ = ["CompiledStep", "compile_cache_dir", "inductor_cache_counts", "schedule_value", "use_compile_cache"]
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -40,18 +38,6 @@ def schedule_value(step: torch.Tensor, warmup: torch.Tensor, total: torch.Tensor
     return torch.where(step < warmup, (step + 1) / (warmup + 1), min_ratio + (1 - min_ratio) * left)
 
 
-class StepSchedule(LambdaLR):
-    """``LambdaLR`` of ``WarmupDecay`` whose ``step`` only counts: ``CompiledStep`` writes the rates on the device.
-    Its state (the step count, the schedule's fields) is LambdaLR's, so checkpoints resume as eager runs do."""
-
-    def step(self, epoch=None):
-        if getattr(self, "_written_by_step", False):
-            self.last_epoch += 1
-            self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
-        else:  # LambdaLR's first step, in its __init__: the rates of step 0, written on the host
-            super().step(epoch)
-
-
 class CompiledStep(torch.optim.Optimizer):
     """``inner`` (an optimizer whose groups' ``lr`` are 0-dim device tensors, AdamW with ``capturable=True``)
     stepped by one compiled graph: ``step(closure)`` runs the closure (forward and backward) eagerly, then the
@@ -59,7 +45,7 @@ class CompiledStep(torch.optim.Optimizer):
     ``base_lr * schedule(step count)``, written into the groups' tensors. It shares ``inner``'s groups and state,
     and its ``state_dict`` holds plain-number rates and ``capturable: False`` as an eager run's does (checkpoints
     load either way). ``sync_schedule`` sets the step count and rewrites the rates from the host (at the start of
-    a fit and when the time budget refits the schedule); ``compile_s``: the seconds of the first step, which
+    a run and when the time budget refits the schedule); ``compile_s``: the seconds of the first step, which
     compiles."""
 
     def __init__(self, inner: torch.optim.Optimizer):
@@ -104,12 +90,11 @@ class CompiledStep(torch.optim.Optimizer):
                     self.state[p]["step"] = self.state[p]["step"].to(p.device, torch.float32)
         self._share()
 
-    def sync_schedule(self, scheduler: LambdaLR, steps: int) -> None:
-        """Take the schedule's fields and the optimizer steps taken (``steps``), and write the rates of the next
-        step (host writes, no read)."""
-        self.schedule = scheduler.lr_lambdas[0]
-        self.base_lrs = [float(lr) for lr in scheduler.base_lrs]
-        scheduler._written_by_step = True
+    def sync_schedule(self, schedule: WarmupDecay, base_lrs: list[float], steps: int) -> None:
+        """Take the schedule's fields, the groups' base rates and the optimizer steps taken (``steps``), and write
+        the rates of the next step (host writes, no read)."""
+        self.schedule = schedule
+        self.base_lrs = [float(lr) for lr in base_lrs]
         self.count.fill_(steps)
         self.warmup.fill_(self.schedule.warmup_steps)
         self.total.fill_(self.schedule.total_steps)

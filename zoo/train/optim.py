@@ -1,11 +1,13 @@
 """Optimisation pieces of a recipe: parameter groups (no weight decay and an optional learning-rate scale for
 norms, biases, position tables and class tokens, as timm and airbench split them), the optimiser (AdamW, SGD
 with Nesterov momentum, or torch's Muon on the 2-D weight matrices, with ``muon_conv`` on the conv filters
-too, and AdamW on the rest), the warm-up + decay schedule fitted to the run, and the exponential moving
-average of the weights with a warm-up of its decay (airbench's Lookahead / EMA, Polyak averaging)."""
+too, and AdamW on the rest), the warm-up + decay schedule fitted to the run (``WarmupDecay``, applied by
+``set_rates``), and the exponential moving average of the weights with a warm-up of its decay (``EMA``: airbench's
+Lookahead / EMA, Polyak averaging)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable
@@ -312,3 +314,67 @@ def ema_multi_avg_fn(decay: float):
         torch._foreach_add_(averaged, torch._foreach_mul(current, 1 - kept))  # kept = 0: exactly a copy
 
     return average
+
+
+def set_rates(optimizer: torch.optim.Optimizer, base_lrs: list[float], multiplier: float) -> None:
+    """Each group's learning rate set to its base rate times ``multiplier`` (the schedule's value for the step)."""
+    for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+        group["lr"] = base * multiplier
+
+
+class EMA:
+    """An exponential moving average of ``model``'s floating-point parameters and buffers (integer buffers follow
+    the model, as ``torch.optim.swa_utils.AveragedModel`` copies them), by ``ema_multi_avg_fn(decay)`` with the
+    update count on the device: ``update`` after every optimizer step reads nothing on the host. The average lives
+    in tensors beside the model's, in its ``state_dict`` order and names; ``swapped_in`` puts it into the model for
+    a block (validation, the test and a checkpoint's weights see the average, as Lightning's ``WeightAveraging``
+    has them) and the trained weights back after it."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.average_fn = ema_multi_avg_fn(decay)
+        # keep_vars: the parameters themselves, not detached aliases (a compiled step would copy every one in and out)
+        self.live = dict(model.state_dict(keep_vars=True))
+        self.averaged = {name: tensor.detach().clone() for name, tensor in self.live.items()}
+        first = next(iter(self.live.values()))
+        self.count = torch.zeros((), dtype=torch.long, device=first.device)
+        self._groups: dict[torch.dtype, tuple[list, list]] = {}
+        self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, current in self.live.items():
+            averaged = self.averaged[name]
+            if averaged.is_floating_point():
+                lists = self._groups.setdefault(averaged.dtype, ([], []))
+                lists[0].append(averaged)
+                lists[1].append(current)
+            else:
+                self._copied.append((averaged, current))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for averaged, current in self._copied:
+            averaged.copy_(current)
+        for averaged, current in self._groups.values():
+            self.average_fn(averaged, current, self.count)
+        self.count.add_(1)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """The model holds the average inside the block, its trained weights again after it."""
+        with torch.no_grad():
+            trained = {name: tensor.detach().clone() for name, tensor in self.live.items()}
+            for name, tensor in self.live.items():
+                tensor.copy_(self.averaged[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, tensor in self.live.items():
+                    tensor.copy_(trained[name])
+
+    def state_dict(self) -> dict:
+        return {"averaged": {name: t.detach().clone() for name, t in self.averaged.items()}, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for name, tensor in self.averaged.items():
+                tensor.copy_(state["averaged"][name])
+            self.count.copy_(state["count"])

@@ -1,15 +1,11 @@
 """Choices a run measures on this machine before it trains, each measured once per machine, torch, thread count and
-model shape, then remembered in ``PRECISION_FILE`` in the cache directory (``device.remembered_choice``): a timing
+model shape, then remembered in ``PRECISION_FILE`` in the cache directory (``remembered_choice``): a timing
 near a tie could otherwise choose differently from run to run, and two runs with one seed would not be the same run.
 
 - ``probe_precision``: fp32 or bf16-mixed, whichever trains the recipe's model faster (``--precision auto`` on a CPU
   with native bf16).
-- ``probe_optimizer``: the recipe's Muon optimizer unless its optimizer step makes a training step slower than
-  ``optimizer_min_speed`` times AdamW's speed; then Muon on fewer tensors (``muon_conv`` -> ``muon``), then AdamW.
-  Muon's Newton-Schulz iteration costs ~3 GFLOP per 256 x 2304 filter per step: negligible beside a GPU's step,
-  but on a CPU it can cost more than it gains in a time budget.
 - ``probe_step_seconds``: the seconds of one training step of the run, for the estimate of its wall time printed
-  before training (``forecast.RunForecast``); timed at every run, not remembered.
+  before training (``progress.plan_lines``); timed at every run, not remembered.
 
 Each times a few steps of at most ``PROBE_BATCH`` images (seconds, not minutes, on a 2-core CPU) and scales the
 forward and backward passes to the run's batch; the optimizer's step does not depend on the batch."""
@@ -18,21 +14,78 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from ..atomic import atomic_write_json, locked
+from ..data.cache import user_cache_dir
 from ..models import create_model
-from .data.cache import user_cache_dir
-from .device import faster_precision, interleaved_medians, machine_name, remembered_choice
-from .optim import NothingToStep, build_optimizer, param_groups
+from ..runtime.machine import machine_name
+from ..runtime.timing import interleaved_medians
+from .optim import build_optimizer, param_groups
 from .recipe import Recipe
 
 PRECISION_FILE = "precision-choices.json"  # the remembered measurements, in the cache directory
-OPTIMIZER_FALLBACKS = {"muon_conv": ("muon", "adamw"), "muon": ("adamw",)}  # cheaper, in order
 PROBE_BATCH = 32  # images per timed step at most: passes at the run's batch are scaled from these
+
+
+def faster_precision(model: nn.Module, x: torch.Tensor, precisions: tuple[str, ...], repeats: int = 2,
+                     margin: float = 0.05) -> str:
+    """Of CPU ``precisions`` ("32", "bf16-mixed"), the one in which forward + backward of a copy of ``model`` on
+    the batch ``x`` runs faster: one untimed step each, then ``repeats`` timed steps each, alternating, compared
+    by their medians (``interleaved_medians``). The first precision is kept unless another is faster by more than
+    ``margin`` (a fraction of its time): a near tie is noise, and fp32 is the exact one. ``model`` itself is not
+    touched (its BatchNorm statistics included)."""
+    model = copy.deepcopy(model).train()
+
+    def step(precision: str) -> Callable[[], None]:
+        def run() -> None:
+            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+                out = model(x)
+            out.float().sum().backward()
+        return run
+
+    seconds = interleaved_medians({p: step(p) for p in precisions}, repeats=repeats)
+    fastest = min(precisions, key=seconds.__getitem__)
+    return fastest if seconds[fastest] < (1 - margin) * seconds[precisions[0]] else precisions[0]
+
+
+def remembered_choice(path: Path, key: str, choose: Callable[[], str],
+                      allowed: Collection[str] | None = None) -> tuple[str, bool]:
+    """``(choice, measured)``: the choice stored under ``key`` in the JSON file ``path``, else ``choose()``'s,
+    stored there. ``--precision auto`` remembers its measurement this way, so two runs of one recipe on one machine
+    train in the same precision. An unreadable file counts as empty; a stored value that is not a string or not
+    one of ``allowed`` counts as missing (a warning, then measured again); an unwritable file is left alone. The
+    update re-reads the file and replaces it atomically under a lock (``path`` + ".lock"), so runs that measure at
+    the same time keep each other's entries."""
+    stored = _read_choices(path).get(key)
+    if isinstance(stored, str) and (allowed is None or stored in allowed):
+        return stored, False
+    if stored is not None:
+        shown = f"one of {sorted(allowed)}" if allowed is not None else "a string"
+        warnings.warn(f"{path}: the stored choice {stored!r} is not {shown} here; measuring again", stacklevel=3)
+    chosen = choose()
+    try:
+        with locked(path.with_name(path.name + ".lock")):
+            choices = _read_choices(path)
+            choices[key] = chosen
+            atomic_write_json(path, choices)
+    except OSError:  # an unwritable cache folder costs a measurement next time, not the run
+        pass
+    return chosen, True
+
+
+def _read_choices(path: Path) -> dict:
+    try:
+        choices = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return choices if isinstance(choices, dict) else {}
 
 
 def model_args(recipe: Recipe) -> dict:
@@ -113,31 +166,6 @@ def timed_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: dict
     return {name: passes * batch_scale + seconds for name, seconds in steps.items()}
 
 
-def optimizer_step_seconds(model: torch.nn.Module, x: torch.Tensor, optimizers: dict[str, Callable],
-                           precision: str, repeats: int = 5, batch_scale: float = 1.0) -> dict[str, float]:
-    """``timed_step_seconds`` for the optimizer probe (``probe_optimizer``), which compares the optimizers."""
-    return timed_step_seconds(model, x, optimizers, precision, repeats=repeats, batch_scale=batch_scale)
-
-
-def applicable(optimizers: dict[str, Callable], model: torch.nn.Module) -> dict[str, Callable]:
-    """``optimizers`` (name -> builder of an optimizer for a model) less those with nothing of ``model`` to step
-    (muon on a model whose weights are conv filters: ``NothingToStep``)."""
-    kept = {}
-    for name, build in optimizers.items():
-        try:
-            build(model)
-        except NothingToStep:
-            continue
-        kept[name] = build
-    return kept
-
-
-def affordable_optimizer(seconds: dict[str, float], preferred: tuple[str, ...], min_speed: float) -> str:
-    """The first of ``preferred`` whose step is at most ``1 / min_speed`` times AdamW's (``seconds["adamw"]``),
-    else AdamW."""
-    return next((name for name in preferred if seconds["adamw"] >= min_speed * seconds[name]), "adamw")
-
-
 def _optimizer_builder(recipe: Recipe, name: str, muon_dtype: str) -> Callable:
     """Builds optimizer ``name`` for a model as a run of ``recipe`` does (its groups, rates and Muon's head)."""
     def make(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -148,35 +176,10 @@ def _optimizer_builder(recipe: Recipe, name: str, muon_dtype: str) -> Callable:
     return make
 
 
-def probe_optimizer(recipe: Recipe, precision: str, muon_dtype: str, measured: dict | None = None) -> str:
-    """The recipe's optimizer, or the cheaper one ``affordable_optimizer`` picks when ``optimizer_min_speed`` is
-    set and the optimizer has cheaper fallbacks (``OPTIMIZER_FALLBACKS``); measured in the run's precision with
-    Muon's iteration in ``muon_dtype``. ``measured`` (a dict), when given, receives the seconds of a step of the
-    run's batch with each optimizer timed now (nothing when the choice was remembered)."""
-    fallbacks = OPTIMIZER_FALLBACKS.get(recipe.optimizer)
-    if recipe.optimizer_min_speed is None or not fallbacks:
-        return recipe.optimizer
-    candidates = (recipe.optimizer, *fallbacks)
-
-    def measure() -> str:
-        model, x = _probe_inputs(recipe)
-        # muon on a CNN has no matrix
-        builds = applicable({name: _optimizer_builder(recipe, name, muon_dtype) for name in candidates}, model)
-        seconds = optimizer_step_seconds(model, x, builds, precision, repeats=3,
-                                         batch_scale=recipe.batch_size / x.shape[0])
-        if measured is not None:
-            measured.update(seconds)
-        return affordable_optimizer(seconds, tuple(builds)[:-1], recipe.optimizer_min_speed)
-
-    return _remembered(recipe, ["optimizer", list(candidates), recipe.optimizer_min_speed, precision, muon_dtype],
-                       measure, f"optimizer {recipe.optimizer} (min speed {recipe.optimizer_min_speed} of adamw's)",
-                       candidates)
-
-
 def probe_step_seconds(recipe: Recipe, precision: str, muon_dtype: str) -> float:
     """Seconds of one training step of ``recipe`` (its batch, precision and optimizer) on this CPU, eager: two
     timed steps of at most ``PROBE_BATCH`` images after an untimed one, the forward and backward scaled to the
-    run's batch (``optimizer_step_seconds``)."""
+    run's batch (``timed_step_seconds``)."""
     model, x = _probe_inputs(recipe)
     print(f"timing {recipe.model}'s training step ({x.shape[0]} images, precision {precision}, optimizer "
           f"{recipe.optimizer}) to estimate the run")

@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_write, atomic_write_json, atomic_write_text
+from ..data import ImageData
+from ..data.run_data import data_for_run
 from ..models.checkpoints import load_run
 from ..models.hub import HUB_README, hub_config, hub_readme
 from ..models.registry import HUB_CONFIG, HUB_WEIGHTS, WEIGHTS_DIR, model_info
-from .data import ImageDataModule
-from .data.run_data import data_module_for
-from .tta import REPORTED_TTA, tta_logits
+from ..models.tta import REPORTED_TTA, tta_logits
 
 EVAL_BATCH = 500
 CHECK_IMAGES = 1000  # the card also gives the accuracy on this many test images, for a quick check of a copy
@@ -51,7 +51,7 @@ def test_accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, 
     return correct / len(labels)
 
 
-def build_card(model: nn.Module, meta: dict, dm: ImageDataModule, command: str) -> dict:
+def build_card(model: nn.Module, meta: dict, dm: ImageData, command: str) -> dict:
     """The model card of a run's model: what it is, how it was trained, how well it does on ``dm``'s test set."""
     summary, config = meta["summary"], meta["config"]
     if list(summary.get("class_names", dm.class_names)) != list(dm.class_names):
@@ -112,7 +112,7 @@ def publish_run(run_dir: str | Path, out_dir: str | Path, *, data_dir: str | Pat
     if data_dir is None:
         raise ValueError(f"{run_dir} records no data folder: pass data_dir")
     command = command or f"python train.py --config {Path(meta['ckpt_path']).parents[1] / 'config.yaml'}"
-    dm = data_module_for(meta, data_dir=data_dir, cache_dir=cache_dir, max_test_images=max_test_images)
+    dm = data_for_run(meta, data_dir=data_dir, cache_dir=cache_dir, max_test_images=max_test_images)
     card = build_card(model, meta, dm, command)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     blob = save(state, metadata={"model": card["model"], "format": "pt"})

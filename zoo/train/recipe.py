@@ -12,7 +12,6 @@ was given; an unknown key names its layer and the valid keys. ``Recipe.to_yaml()
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import re
 from collections.abc import Mapping
@@ -23,13 +22,13 @@ from typing import ClassVar
 import torch
 import yaml
 
+from ..data import DEFAULT_AUGMENT
+from ..models.tta import TTA_LEVELS
 from . import checks as c
 from .checks import COUNT, FLAG, NATURAL, NUMBER, OPTIONAL_PATH, OPTIONAL_TEXT, PATH, POSITIVE, TEXT
-from .data import DEFAULT_AUGMENT
 from .distill import DISTILL_KINDS
-from .loggers import logger_names
+from .metrics import logger_names
 from .optim import MUON_DTYPES, OPTIMIZERS, SCHEDULES
-from .tta import TTA_LEVELS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"   # zoo/configs, shipped in the wheel
 
@@ -57,10 +56,13 @@ class _Checked:
         _check_keys(cls, data, source, cls.prefix)
         return cls(**data)
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
 
 @dataclass(frozen=True)
 class AugmentConfig(_Checked):
-    """Batched on-device training augmentation (``zoo.train.data``, whose ``DEFAULT_AUGMENT`` are the defaults)."""
+    """Batched on-device training augmentation (``zoo.data``, whose ``DEFAULT_AUGMENT`` are the defaults)."""
 
     prefix: ClassVar[str] = "augment."
     crop_padding: int = setting(DEFAULT_AUGMENT["crop_padding"], "zero padding (pixels) before the random crop",
@@ -91,10 +93,6 @@ class Recipe(_Checked):
     eval_batch_size: int | None = setting(None, "validation / test batch size (null: batch_size)", COUNT)
     optimizer: str = setting("adamw", "adamw, sgd, muon (2-D; AdamW on the rest), muon_conv",
                              c.choice(OPTIMIZERS))
-    optimizer_min_speed: float | None = setting(
-        None, "keep a Muon optimizer only if a training step with it runs at >= this fraction of AdamW's speed here "
-        "(measured once per machine and model); else Muon on fewer tensors, else AdamW (null: always keep)",
-        c.optional(c.FRACTION))
     muon_dtype: str = setting("auto", "dtype of Muon's iteration: auto (bfloat16 where the device computes it "
                               "natively, else float32), float32 or bfloat16", c.choice(("auto", *MUON_DTYPES)))
     lr: float = setting(1e-3, "peak learning rate", c.ABOVE_ZERO)
@@ -132,7 +130,7 @@ class Recipe(_Checked):
                              "measured faster, else 32), 32, bf16-mixed or 16-mixed", c.PRECISION)
     accelerator: str = setting("auto", "auto, cpu, gpu or mps (Apple silicon)", TEXT)
     devices: int | str = setting("auto", "device count (-1: all), a device list like 0,1, or auto", c.DEVICES)
-    strategy: str = setting("auto", "Lightning strategy: auto, ddp, ...", TEXT)
+    strategy: str = setting("auto", "Fabric's strategy: auto, ddp, ...", TEXT)
     num_nodes: int = setting(1, "machines in a multi-node run", POSITIVE)
     compile: bool | str = setting(False, "torch.compile the whole model (true), each CBAM and transformer block "
                                   "(regions), the training step's forward, loss and backward (step: CUDA graphs "
@@ -147,7 +145,7 @@ class Recipe(_Checked):
     ckpt_every_minutes: float = setting(2.0, "write checkpoints/last.ckpt every this many minutes of training and at "
                                         "the end (0: only at the end and every N steps)", c.MINUTES)
     out: str = setting("runs", "root of run directories: the run is written to OUT/<model>/<run-id>/", PATH)
-    loggers: list = setting([], "Lightning loggers beside metrics.csv (always written): tensorboard (into "
+    loggers: list = setting([], "Lightning's loggers beside metrics.csv (always written): tensorboard (into "
                             "RUN/tensorboard/), wandb, mlflow, comet; repeatable or comma-separated", logger_names,
                             flag="logger")
     resume: str | None = setting(None, "continue a run directory / checkpoint of the same model and model "
@@ -206,18 +204,9 @@ class Recipe(_Checked):
         """A recipe from a YAML file, e.g. a run's config.yaml."""
         return cls.from_dict(load_yaml(path), str(path))
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     def to_yaml(self) -> str:
         """The recipe as YAML text (what config.yaml in a run directory holds)."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def kwargs_for(self, fn, **given) -> dict:
-        """``given`` plus the recipe's values (sections as dicts) of ``fn``'s other parameters named as recipe keys:
-        a constructor takes its section of the recipe by name instead of field by field."""
-        names = inspect.signature(fn).parameters
-        return {**{key: value for key, value in self.to_dict().items() if key in names}, **given}
 
 
 _FITTING: set[str] = set()  # the (model, img_size, model_args) already built on the meta device
@@ -239,9 +228,9 @@ def _check_model_fits(model: str, img_size: int, model_args: dict) -> None:
 
 
 def _check_takes_low_res(model: str, img_size: int, model_args: dict, size: int) -> None:
-    """``module.check_takes_size`` on the model built on the meta device (no memory, no compute)."""
+    """``step.check_takes_size`` on the model built on the meta device (no memory, no compute)."""
     from ..models import create_model
-    from .module import check_takes_size
+    from .step import check_takes_size
 
     with torch.device("meta"):
         built = create_model(model, img_size=img_size, **model_args)

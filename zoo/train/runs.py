@@ -1,11 +1,11 @@
 """Run directories and checkpoint files: ``runs/<model>/<run-id>/`` with config.yaml, metrics.csv,
-checkpoints/{last,best}.ckpt and summary.json; atomic writes (temp file in the same folder, fsync,
-``os.replace``) so a killed run never leaves a torn checkpoint; the CSV logger that keeps a resumed run's
-history. Reading checkpoints back (``load_run``, ``load_pretrained``) is ``zoo.models.checkpoints``."""
+checkpoints/{last,best}.ckpt and summary.json; which directory a command trains in (new, or the one it resumes,
+checked against the recipe before anything is written) and the lock that keeps it to one process; checkpoints
+written atomically (temp file in the same folder, fsync, ``os.replace``), so a killed run never leaves a torn one.
+Reading weights back for evaluation (``load_run``, ``load_pretrained``) is ``zoo.models.checkpoints``."""
 
 from __future__ import annotations
 
-import csv
 import os
 import secrets
 import shutil
@@ -15,98 +15,34 @@ from pathlib import Path
 
 import torch
 import yaml
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from ..atomic import atomic_write, atomic_write_csv, atomic_write_text, fcntl
+from ..atomic import atomic_write, atomic_write_text, fcntl
 from ..models.checkpoints import load_checkpoint
-from ..models.run_files import read_metrics, read_summary
-from .distributed import is_global_zero
+from ..models.run_files import read_summary
+from ..runtime.distributed import is_global_zero
 from .recipe import Recipe
 
-RUN_DIR_ENV = "ZOO_RUN_DIR"  # the run directory rank 0 chose, inherited by the processes DDP launches
+RUN_DIR_ENV = "ZOO_RUN_DIR"  # the run directory rank 0 chose, inherited by the processes Fabric starts
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's TorchCheckpointIO writes through an fsspec transaction whose temp file lives in the
-    system temp dir and is moved (a copy across filesystems, no fsync): not atomic. This one is. It also adds up
-    the seconds its writes take (``write_seconds``), which training throughput leaves out."""
-
-    def __init__(self):
-        super().__init__()
-        self.write_seconds = 0.0
-
-    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        if storage_options is not None:
-            raise TypeError("AtomicCheckpointIO does not take storage_options")
-        start = time.perf_counter()
-        atomic_write(path, lambda f: torch.save(checkpoint, f))
-        self.write_seconds += time.perf_counter() - start
+def save_checkpoint(path: Path, state: dict) -> None:
+    """``torch.save`` of ``state`` to ``path``, atomically: the previous file stays whole until the new one is."""
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
-class _KeepingWriter(ExperimentWriter):
-    """CSV writer that keeps an existing metrics.csv (Lightning's deletes it): it appends, and leaves the file as it
-    is until a row is logged, so a resume that fails or has nothing to train (a finished run) keeps every row, the
-    test's included. A resumed run's first rows replace the rows logged after its checkpoint (they are logged
-    again), in one atomic rewrite. A new run starts the file with its header, so a run stopped before its first row
-    has one too."""
-
-    def __init__(self, log_dir: str, resume_step: int | None):
-        self._resume_step = resume_step
-        self._replace_after_resume = False
-        self._file_keys: list[str] = []  # the header of the file as it is
-        super().__init__(log_dir)
-
-    def _check_log_dir_exists(self) -> None:
-        path = Path(self.metrics_file_path)
-        if not path.is_file():
-            if is_global_zero():
-                self.metrics_keys = ["epoch", "step"]
-                atomic_write_csv(path, self.metrics_keys, [])
-                self._file_keys = list(self.metrics_keys)
-            return
-        keys, rows = read_metrics(path)
-        self.metrics_keys, self._file_keys = list(keys), list(keys)
-        self._replace_after_resume = self._resume_step is not None and any(not self._kept(r) for r in rows)
-
-    def _kept(self, row: dict) -> bool:
-        return bool(row.get("step")) and (self._resume_step is None or int(float(row["step"])) < self._resume_step)
-
-    def save(self) -> None:
-        if not self.metrics:
-            return
-        path = Path(self.metrics_file_path)
-        self._record_new_keys()  # (sorted)
-        if self.metrics_keys != self._file_keys or self._replace_after_resume or not path.is_file():
-            rows = [r for r in read_metrics(path)[1] if self._kept(r)] if path.is_file() else []
-            atomic_write_csv(path, self.metrics_keys, [*rows, *self.metrics])
-            self._file_keys = list(self.metrics_keys)
-        else:
-            with path.open("a", newline="") as f:
-                csv.DictWriter(f, fieldnames=self.metrics_keys).writerows(self.metrics)
-        self.metrics = []
-        self._resume_step, self._replace_after_resume = None, False  # the rows after the checkpoint are gone
-
-
-class ResumableCSVLogger(CSVLogger):
-    """CSVLogger writing ``run_dir/metrics.csv`` (run_dir = OUT/<model>/<run-id>); a resumed run keeps the
-    history logged before its checkpoint."""
-
-    def __init__(self, run_dir: str | Path, resume_from: str | Path | None = None):
-        run_dir = Path(run_dir)
-        super().__init__(run_dir.parent.parent, name=run_dir.parent.name, version=run_dir.name)
-        self._resume_step = checkpoint_step(resume_from) if resume_from else None
-
-    @property
-    def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._experiment = _KeepingWriter(self.log_dir, self._resume_step)
-        return self._experiment
+def load_training_checkpoint(path: Path) -> dict:
+    """A checkpoint ``save_checkpoint`` wrote, for resuming or testing; one the zoo's loop did not write (an earlier
+    zoo's, written by Lightning's Trainer) -> ValueError naming what it can still be used for."""
+    checkpoint = load_checkpoint(path)
+    if "loop" not in checkpoint:
+        raise ValueError(f"{path} was written by an earlier zoo (Lightning's Trainer) and cannot be resumed; "
+                         f"evaluate it with eval.py --checkpoint, or start a new run from its weights with "
+                         f"--init-from {path}")
+    return checkpoint
 
 
 def checkpoint_step(path: str | Path) -> int:
-    """The global step a Lightning checkpoint was saved at."""
+    """The optimizer step a checkpoint was saved at."""
     return int(load_checkpoint(path).get("global_step", 0))
 
 
@@ -127,7 +63,7 @@ def find_run_dir(recipe: Recipe) -> tuple[Path, Path | None, bool]:
     ``recipe.resume``: None -> a new run; ``"auto"`` -> the newest run of this model under ``recipe.out``
     with a last.ckpt (a new run if there is none); a run directory or a .ckpt path -> that run, whose
     checkpoint must be a zoo checkpoint of the recipe's model and model arguments (``check_resume``).
-    Processes launched by Lightning's DDP inherit the choice through the ``ZOO_RUN_DIR`` environment variable;
+    Processes Fabric starts (several devices, no launcher) inherit the choice through ``RUN_DIR_ENV``;
     under torchrun or SLURM ``fit`` calls this on rank 0 only and broadcasts the answer, so a DDP run leaves exactly
     one run directory."""
     model_dir = Path(recipe.out) / recipe.model
@@ -163,8 +99,8 @@ def find_run_dir(recipe: Recipe) -> tuple[Path, Path | None, bool]:
 # what a resumed run may change: its length (epochs, max_time), where it runs (accelerator, devices, strategy,
 # num_nodes, compile, data_memory_budget), where its data is read from (data_dir, cache_dir, download: the classes are
 # checked), what it writes beside its metrics (out, loggers, checkpoint intervals), the command's action (resume, and
-# init_from / init_partial, which only a new run uses) and the evaluation batch; precision and muon_dtype "auto", and
-# an optimizer under optimizer_min_speed, keep what the run chose (config.yaml records it)
+# init_from / init_partial, which only a new run uses) and the evaluation batch; precision and muon_dtype "auto" keep
+# what the run chose (config.yaml records it)
 RESUMABLE_CHANGES = frozenset({
     "epochs", "max_time", "accelerator", "devices", "strategy", "num_nodes", "compile", "data_memory_budget",
     "data_dir", "cache_dir", "download", "out", "loggers", "ckpt_every_n_steps", "ckpt_every_minutes", "resume",
@@ -197,8 +133,7 @@ def check_resume_recipe(recipe: Recipe, run_dir: Path) -> None:
     if not isinstance(recorded, dict):
         return
     saved, wanted = _flat(recorded), _flat(parse_yaml(recipe.to_yaml(), "the recipe"))
-    keeps_choice = {"precision": recipe.precision == "auto", "muon_dtype": recipe.muon_dtype == "auto",
-                    "optimizer": recipe.optimizer_min_speed is not None}
+    keeps_choice = {"precision": recipe.precision == "auto", "muon_dtype": recipe.muon_dtype == "auto"}
     changed = [key for key, value in wanted.items() if key in saved and saved[key] != value
                and key not in RESUMABLE_CHANGES and not keeps_choice.get(key, False)]
     if changed:
@@ -215,10 +150,12 @@ def check_resume(recipe: Recipe, ckpt: Path) -> dict:
     hp = checkpoint.get("hyper_parameters") or {}
     if "model_name" not in hp:
         raise ValueError(f"--resume {ckpt}: not a zoo training checkpoint (no hyper_parameters.model_name)")
+    if "loop" not in checkpoint:  # the weights still serve: evaluation, --init-from
+        load_training_checkpoint(ckpt)
     if hp["model_name"] != recipe.model:
         raise ValueError(f"--resume {ckpt}: that run trains {hp['model_name']}, not --model {recipe.model}; "
                          f"resume it with --model {hp['model_name']} or start a new run")
-    done = checkpoint.get("epoch") or 0  # Lightning's current_epoch when it saved, which it refuses above max_epochs
+    done = checkpoint.get("epoch") or 0  # the epochs finished when it was saved
     if done > recipe.epochs:
         raise ValueError(f"--resume {ckpt}: the run is {done} epochs in, past --epochs {recipe.epochs}; resume with "
                          f"--epochs {done} or more (its config.yaml), or start a new run")

@@ -14,7 +14,7 @@ one report (``gpu_check.json`` + ``gpu_check.md``):
 5. ``anchor``: airbench94 (``airbench94_cpu.py --device cuda --runs 2``, upstream's fp16; its second, warm run)
    on the same GPU and the same JPEG data, beside the speedrun: wall seconds, epochs, images/s and test top-1 with
    TTA of both, and the zoo's wall seconds until its validation top-1 first reached the anchor's test top-1;
-6. ``muon``: the batched Muon step against torch's per-matrix loop on the GPU (``zoo.bench.muon``);
+6. ``muon``: the batched Muon step against torch's per-matrix loop on the GPU (``benchmarks.muon``);
 7. ``suite``: the benchmark suite (``zoo.bench.suite.run_suite``: kernels vs timm and the floor, memory, MFU).
 
 ``--dry-run`` runs every step with tiny sizes and no timings on whatever device there is (the default test suite
@@ -22,7 +22,7 @@ runs it on the CPU), so the check cannot rot where no GPU is at hand. A step tha
 and the others still run; the exit code is 1 when any step failed. The report is rewritten after every step, and
 ``--time-limit`` bounds the whole check (a step still running then is stopped; later ones are not run).
 
-    python -m zoo.bench.gpu_check --data-dir DATA --out out/gpu_check --time-limit 480
+    python -m benchmarks.gpu_check --data-dir DATA --out out/gpu_check --time-limit 480
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_json, atomic_write_text
+from zoo.atomic import atomic_write_json, atomic_write_text
+
 from .anchor import prepare_anchor_data, run_anchor, side_by_side
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: train.py, tests/ and configs/ live here
@@ -50,7 +51,8 @@ TARGETS = (0.90, 0.94)  # validation top-1 whose wall time the speedrun reports
 
 def environment() -> dict:
     """What the numbers come from."""
-    from ..train.device import machine_name, native_bf16
+    from zoo.runtime.device import native_bf16
+    from zoo.runtime.machine import machine_name
 
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
             "machine": machine_name("gpu" if torch.cuda.is_available() else "cpu"),
@@ -120,8 +122,8 @@ def vit_tiny(out: Path, data_dir: str | None, dry_run: bool, timeout: float = 90
     ``compile_step``: with ``--compile step`` (forward, loss and backward compiled; CUDA graphs). A dry run on a
     CPU leaves that one out: compiling vit_tiny takes a minute there, and eagerly it would repeat the other run
     (tests/train/test_module.py checks the compiled step on the CPU)."""
-    from ..models import create_model, model_info
-    from .suite import gemm_peak_flops
+    from zoo.bench.suite import gemm_peak_flops
+    from zoo.models import create_model, model_info
 
     if compile_step and dry_run and not torch.cuda.is_available():
         return {"not_run": "a dry run on a CPU: compiling vit_tiny would take a minute"}
@@ -154,9 +156,9 @@ def step_profile(name: str, batch: int, steps: int, compile_step: bool = False) 
     ``top_device_ops`` names the five ops with the most device time. Without a GPU the device figures are 0."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ..models import create_model
-    from ..train.module import compiled_train_loss
-    from .timing import median_seconds, training_step
+    from zoo.bench.timing import median_seconds, training_step
+    from zoo.models import create_model
+    from zoo.train.step import compiled_train_loss
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -251,7 +253,7 @@ def anchor(out: Path, anchor_dir: Path, data_dir: str | None, dry_run: bool, spe
 
 
 def muon(dry_run: bool) -> dict:
-    """Batched Muon against torch's loop on this device, per model (``zoo.bench.muon.bench_muon``)."""
+    """Batched Muon against torch's loop on this device, per model (``benchmarks.muon.bench_muon``)."""
     from .muon import bench_muon
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -307,7 +309,7 @@ def run_check(out: str | Path, data_dir: str | None = None, dry_run: bool = Fals
     """Every step but those in ``skip``, in ``STEPS``' order; OUT/gpu_check.json and OUT/gpu_check.md are written
     after each step, so a check stopped from outside keeps what it measured. ``time_limit`` (seconds): a step's
     subprocess is stopped when it runs out, and steps not begun by then are reported as not run."""
-    from .suite import run_suite
+    from zoo.bench.suite import run_suite
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -347,7 +349,7 @@ def _suite_summary(results: dict) -> dict:
 
 
 def results_records(report: dict, out: Path, command: str) -> list[dict]:
-    """The check's measurements as ``zoo.bench.results`` records: a "gpu" record of every step's scalar results
+    """The check's measurements as ``benchmarks.results`` records: a "gpu" record of every step's scalar results
     (one row each) and, when the suite ran, its "suite" record."""
     from . import results
 
@@ -381,7 +383,7 @@ def main(argv=None) -> int:
     if args.results and not args.dry_run:  # a dry run's sizes are not numbers to report
         from . import results
 
-        for record in results_records(report, Path(args.out), results.command_line("zoo.bench.gpu_check", argv)):
+        for record in results_records(report, Path(args.out), results.command_line("benchmarks.gpu_check", argv)):
             print(results.write(record, args.results))
     return 0 if all(r["ok"] for r in report.values() if isinstance(r, dict)) else 1
 

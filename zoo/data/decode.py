@@ -2,7 +2,7 @@
 centre-cropped to ``img_size``) and torchvision's CIFAR-10 python batches (read by ``cifar``, which runs no code)
 become uint8 (N, 3, H, W) images with int64 (N,) labels, per split. Seeded random subsets pick the images first,
 so only the chosen files are decoded; a file that does not decode is skipped with a warning naming it (one bad
-file in 50,000 does not stop a run)."""
+file in 50,000 does not stop a run). ``data_class_names`` reads the classes without decoding an image."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as TF
 
-from .cifar import read_cifar_batches
-from .layout import SPLITS, layout_error, list_imagefolder
+from .cifar import read_cifar_batches, read_label_names
+from .layout import SPLITS, class_folders, find_layout, layout_error, list_imagefolder
 
 Limits = dict[str, int | None]  # split -> most images to keep (None: all; 0: the split is not decoded)
 
@@ -85,3 +85,13 @@ def decode_splits(layout: str, source: Path, img_size: int, limits: Limits, seed
     "test_images", "test_labels"}."""
     decode = decode_imagefolder if layout == "imagefolder" else decode_cifar
     return decode(source, img_size, limits, seed)
+
+
+def data_class_names(root: Path) -> list[str]:
+    """The class names of the data in ``root`` without decoding an image: an ImageFolder tree's sorted train/
+    folders, or CIFAR-10's ``batches.meta`` (read by ``cifar``, which runs no code); no dataset there or a
+    damaged meta file -> DataError (never downloads)."""
+    layout, source = find_layout(root, download=False)
+    if layout == "imagefolder":
+        return sorted(class_folders(source / "train"))
+    return read_label_names(source)

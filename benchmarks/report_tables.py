@@ -1,5 +1,5 @@
-"""The tables of BENCHMARKS.md, one function per section, each rendering ``zoo.bench.results`` records (a list of
-dicts, already validated) into markdown lines; ``zoo.bench.report`` puts them together."""
+"""The tables of BENCHMARKS.md, one function per section, each rendering ``benchmarks.results`` records (a list of
+dicts, already validated) into markdown lines; ``benchmarks.report`` puts them together."""
 
 from __future__ import annotations
 
@@ -368,7 +368,7 @@ def faithfulness_section(results: list[dict]) -> list[str]:
 def gpu_section(results: list[dict]) -> list[str]:
     records = records_of(results, "gpu")
     if not records:
-        return ["## GPU", "", "Not measured yet: no GPU measurement is in `results/`. `python -m zoo.bench.gpu_check "
+        return ["## GPU", "", "Not measured yet: no GPU measurement is in `results/`. `python -m benchmarks.gpu_check "
                 "--data-dir DATA --out OUT` runs the CUDA tests, a `vit_tiny` run and the GPU recipe's speedrun "
                 "(`configs/gpu_speedrun.yaml`) on one."]
     out = ["## GPU"]

@@ -6,15 +6,15 @@ in the same precision and the same wall-clock budget, paired the same way on eve
 2. its own short bench (``--bench_steps``) measures its images/s here, and its epochs are chosen so that training
    plus its test-time-augmented evaluation end near ``--anchor-seconds`` (570 s of a 10-minute budget);
 3. per seed, the zoo's run (``train.py --model M --config configs/cpu_budget.yaml --max-time T``, as
-   ``zoo.bench.ablation`` runs it) and the anchor's run, the order alternating with the seed so that a drift of
+   ``benchmarks.ablation`` runs it) and the anchor's run, the order alternating with the seed so that a drift of
    the machine falls on both; both with glibc's malloc keeping freed memory, as the zoo's runs do.
 
 Results go to ``anchor.csv`` (a finished (seed, side) is not run again: a stopped pairing resumes) and
 ``anchor.md`` (per seed, both test top-1 with TTA, their means with standard errors, the paired difference), and
 with ``--results`` each run to ``results/``.
 
-    python -m zoo.bench.anchor --anchor ANCHOR_DIR --data-dir DATA --out out/anchor --seeds 0 1 2 --results results
-    ZOO_NATIVE_BF16=0 python -m zoo.bench.anchor --anchor ANCHOR_DIR --data-dir DATA --out out/anchor_fp32
+    python -m benchmarks.anchor --anchor ANCHOR_DIR --data-dir DATA --out out/anchor --seeds 0 1 2 --results results
+    ZOO_NATIVE_BF16=0 python -m benchmarks.anchor --anchor ANCHOR_DIR --data-dir DATA --out out/anchor_fp32
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..atomic import atomic_write_csv, atomic_write_text
-from ..train.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD
+from zoo.atomic import atomic_write_csv, atomic_write_text
+from zoo.runtime.memory import MMAP_THRESHOLD, TRIM_THRESHOLD
+
 from . import ablation, results
 from .report_targets import show_mean_se
 
@@ -38,7 +39,7 @@ TRAIN_IMAGES, TEST_IMAGES = 50_000, 10_000  # the anchor always trains on all of
 EVAL_PASSES, FORWARD_SHARE = 7, 1 / 3
 FIELDS = ("seed", "side", "model", "precision", "epochs", "steps", "train_images_per_s", "test_top1_tta",
           "test_top1_plain", "seconds", "run")
-# glibc's malloc tuned as zoo.train.host_memory tunes the zoo's own runs
+# glibc's malloc tuned as zoo.runtime.memory tunes the zoo's own runs
 MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD), "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 
 
@@ -67,7 +68,7 @@ def anchor_precision(precision: str) -> int:
 
 def default_precision() -> str:
     """bf16-mixed on a CPU that computes bf16 natively (``ZOO_NATIVE_BF16`` forces it either way), else 32."""
-    from ..train.device import native_bf16
+    from zoo.runtime.device import native_bf16
 
     return "bf16-mixed" if native_bf16("cpu") else "32"
 
@@ -115,7 +116,7 @@ def anchor_record(row: dict, budget: str, command: str) -> dict:
                "test_top1": row["test_top1_tta"], "test_top1_plain": row["test_top1_plain"], "tta": True}
     return results.make("train", "airbench94 on the CPU, the reference", command, numbers,
                         note=f"The reference network, not a zoo model, paired with the zoo's seed-{row['seed']} run "
-                             f"by zoo.bench.anchor; it took {row['seconds']} s.")
+                             f"by benchmarks.anchor; it took {row['seconds']} s.")
 
 
 def zoo_settings(args: argparse.Namespace) -> list[str]:
@@ -165,7 +166,7 @@ SIDE_BY_SIDE = (("wall seconds (with compilation / cuDNN tuning)", "wall_s"), ("
 
 
 def side_by_side(result: dict) -> list[str]:
-    """``zoo.bench.gpu_check``'s anchor step as one table, airbench94 beside the zoo's speedrun."""
+    """``benchmarks.gpu_check``'s anchor step as one table, airbench94 beside the zoo's speedrun."""
     if "zoo_wall_s" not in result:
         return []
     lines = ["| | airbench94 | zoo hybrid_tiny (gpu_speedrun) |", "|---|---|---|"]
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
           f"{args.anchor_seconds:.0f} s", flush=True)
     table = args.out / "anchor.csv"
     rows = ablation.read_rows(table)
-    command = results.command_line("zoo.bench.anchor", argv)
+    command = results.command_line("benchmarks.anchor", argv)
     for seed in args.seeds:
         for side in order(seed):
             if any(r["seed"] == seed and r["side"] == side for r in rows):
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
                     rows.append(anchor_row(seed, args.precision, epochs, found))
                     record = anchor_record(rows[-1], args.max_time, command)
             except subprocess.CalledProcessError as err:
-                return ablation.run_stopped("zoo.bench.anchor", f"the {side} run of seed {seed}", err, table)
+                return ablation.run_stopped("benchmarks.anchor", f"the {side} run of seed {seed}", err, table)
             if args.results:
                 print(results.write(record, args.results))
             atomic_write_csv(table, FIELDS, rows)  # rewritten whole after each run: a stop loses no row

@@ -8,9 +8,9 @@ images. ``optimizer_costs`` measures what each optimizer's step adds to a traini
 fp32 and bf16-mixed, with Muon's iteration in the dtype a run would choose here (``ZOO_NATIVE_BF16=0`` plays a CPU
 without native bf16).
 
-    python -m zoo.bench.modes --models hybrid_tiny vit_tiny --out modes.json
-    python -m zoo.bench.modes --models resnet18_cbam --modes fp32_channels_last bf16_mixed_channels_last
-    python -m zoo.bench.modes --models hybrid_tiny --modes fp32 --optimizers adamw muon muon_conv
+    python -m benchmarks.modes --models hybrid_tiny vit_tiny --out modes.json
+    python -m benchmarks.modes --models resnet18_cbam --modes fp32_channels_last bf16_mixed_channels_last
+    python -m benchmarks.modes --models hybrid_tiny --modes fp32 --optimizers adamw muon muon_conv
 """
 
 from __future__ import annotations
@@ -24,15 +24,17 @@ import torch
 from timm.layers import to_2tuple
 from torch import nn
 
-from ..models import compile_regions, create_model
-from ..train.device import cpu_has_native_bf16, machine_name, resolve_muon_dtype
-from ..train.host_memory import keep_freed_memory
-from ..train.module import compiled_train_loss
-from ..train.optim import OPTIMIZERS, build_optimizer, param_groups
-from ..train.probes import applicable, optimizer_step_seconds
+from zoo.bench.timing import interleaved_medians, measure_inference, print_result, training_step
+from zoo.models import compile_regions, create_model
+from zoo.runtime.device import cpu_has_native_bf16, resolve_muon_dtype
+from zoo.runtime.machine import machine_name
+from zoo.runtime.memory import keep_freed_memory
+from zoo.train.optim import OPTIMIZERS, NothingToStep, build_optimizer, param_groups
+from zoo.train.probes import timed_step_seconds
+from zoo.train.step import compiled_train_loss
+
 from . import results
 from .results import command_line
-from .timing import interleaved_medians, measure_inference, print_result, training_step
 
 MODES = ("fp32", "fp32_channels_last", "bf16_mixed_channels_last", "bf16_true", "fp32_compiled",
          "fp32_compiled_channels_last", "bf16_mixed_compiled_channels_last", "fp32_regions_channels_last",
@@ -108,10 +110,23 @@ class _NoStep:
         pass
 
 
+def applicable(optimizers: dict[str, Callable], model: nn.Module) -> dict[str, Callable]:
+    """``optimizers`` (name -> builder of an optimizer for a model) less those with nothing of ``model`` to step
+    (muon on a model whose weights are conv filters: ``NothingToStep``)."""
+    kept = {}
+    for name, build in optimizers.items():
+        try:
+            build(model)
+        except NothingToStep:
+            continue
+        kept[name] = build
+    return kept
+
+
 def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch: int = 128, repeats: int = 5,
                     precisions=("32", "bf16-mixed")) -> list[dict]:
     """Per precision and optimizer: ``step_ms`` (forward, cross-entropy, backward and the optimizer's step),
-    ``optimizer_ms`` (the optimizer's step, timed apart: ``probes.optimizer_step_seconds``), ``optimizer_share`` (that
+    ``optimizer_ms`` (the optimizer's step, timed apart: ``probes.timed_step_seconds``), ``optimizer_share`` (that
     over the whole step) and ``vs_adamw`` (AdamW's step time over this one's: the throughput a run keeps with it); the
     model in the memory format train.py uses, the steps interleaved. Muon's iteration runs in ``muon_dtype``, the
     dtype a run picks on this machine. An optimizer with no tensor of the model to step (muon on conv filters only)
@@ -134,7 +149,7 @@ def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch:
     candidates = {"none": lambda trained: _NoStep(), **builds}
     rows = []
     for precision in precisions:
-        seconds = optimizer_step_seconds(model, x, candidates, precision, repeats=repeats)
+        seconds = timed_step_seconds(model, x, candidates, precision, repeats=repeats)
         for optimizer in optimizers:
             step, added = seconds[optimizer], seconds[optimizer] - seconds["none"]
             rows.append({"model": name, "precision": precision, "optimizer": optimizer, "muon_dtype": muon_dtype,
@@ -145,7 +160,7 @@ def optimizer_costs(name: str, optimizers=("adamw", "muon", "muon_conv"), batch:
 
 def results_records(rows: list[dict], optimizer_rows: list[dict], command: str,
                     keep_freed_memory: bool | None = None) -> list[dict]:
-    """``zoo.bench.results`` records of a run of this command: a "modes" record (per model, images/s per mode
+    """``benchmarks.results`` records of a run of this command: a "modes" record (per model, images/s per mode
     and for inference) and, with optimizer rows, an "optimizer_cost" record (per model and precision, each
     optimizer's step speed against AdamW's); ``keep_freed_memory`` (whether the process kept freed host memory, as
     training does) goes into both."""
@@ -188,7 +203,7 @@ def main(argv=None) -> int:
               "keep_freed_memory": kept, "torch": torch.__version__, "rows": rows, "optimizer_rows": optimizer_rows}
     print_result(result, args.out)
     if args.results:
-        for record in results_records(rows, optimizer_rows, command_line("zoo.bench.modes", argv), kept):
+        for record in results_records(rows, optimizer_rows, command_line("benchmarks.modes", argv), kept):
             print(results.write(record, args.results))
     return 0
 

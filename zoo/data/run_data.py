@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from .module import ImageDataModule
+from .images import ImageData
 
 
-def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int = 256,
-                    max_test_images: int | None = None, cache_dir: str | None = None) -> ImageDataModule:
+def data_for_run(meta: dict, *, data_dir: str | None = None, batch_size: int = 256,
+                    max_test_images: int | None = None, cache_dir: str | None = None) -> ImageData:
     """The test data a run was trained for: its config's data folder, image size, split and cache
     (``data_dir`` / ``cache_dir`` override them), set up for testing; zoo.data.DataError when the data is not
     there. The run's training cache is used when it exists; otherwise, when the run recorded its normalisation
@@ -18,10 +18,10 @@ def data_module_for(meta: dict, *, data_dir: str | None = None, batch_size: int 
                    cache_dir=cache_dir if cache_dir is not None else cfg.get("cache_dir"),
                    max_train_images=cfg.get("max_train_images"), max_test_images=max_test_images)
     folder = data_dir if data_dir is not None else cfg.get("data_dir")
-    dm = ImageDataModule(folder, **options)
+    dm = ImageData(folder, **options)
     stats = summary.get("mean"), summary.get("std")
     if None not in stats and not dm.cache_path(dm.source()).is_file():
-        dm = ImageDataModule(folder, splits=("test",), **options)
+        dm = ImageData(folder, splits=("test",), **options)
         dm.use_normalization(*stats)
     dm.prepare_data()
     dm.setup("test")

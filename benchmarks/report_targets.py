@@ -18,7 +18,7 @@ PAIRING_GOAL = f"`{HYBRID}` above the airbench94 port"
 SHIPPED_GOAL = f"shipped `{HYBRID}` ≥ {SHIPPED_TARGET} without TTA"
 TEACHER = "teacher=pretrained:hybrid_tiny"
 # the words of a setting that name the precision alone: the native-bf16 switch, --precision, or --set precision=
-# (as zoo.bench.anchor gives it)
+# (as benchmarks.anchor gives it)
 PRECISION_ONLY = re.compile(r"ZOO_NATIVE_BF16=[01]|--precision \S+|--set precision=\S+")
 
 
@@ -33,7 +33,7 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 
 
 def show_mean_se(values: list[float]) -> str:
-    """"0.7186 ± 0.0044 (n=3)", or "0.8243 (n=1)" for one value (also ``zoo.bench.anchor``'s tables)."""
+    """"0.7186 ± 0.0044 (n=3)", or "0.8243 (n=1)" for one value (also ``benchmarks.anchor``'s tables)."""
     if len(values) < 2:
         return f"{values[0]:.4f} (n=1)"
     mean, se = mean_se(values)

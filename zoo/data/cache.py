@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ...atomic import atomic_write
+from ..atomic import atomic_write
 from .cifar import batch_files
 from .decode import Limits, decode_splits
 from .layout import SPLITS

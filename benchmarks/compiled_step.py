@@ -5,7 +5,7 @@ first compiled step in a first process (an empty compile cache) and in a second 
 ``compile_cache_hits``). Each process is a fresh interpreter with its own cache folder, so the two compile times
 compare a cold machine with a warm one; they are wall seconds, as noisy as the machine is busy.
 
-    python -m zoo.bench.compiled_step --models vit_tiny hybrid_tiny --out compiled_step.json
+    python -m benchmarks.compiled_step --models vit_tiny hybrid_tiny --out compiled_step.json
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ import time
 
 import torch
 
-from ..models import create_model
-from ..train.compiled import INDUCTOR_CACHE_ENV, CompiledStep, StepSchedule, inductor_cache_counts
-from ..train.device import machine_name
-from ..train.module import compiled_train_loss, train_loss
-from ..train.optim import WarmupDecay, build_optimizer, ema_multi_avg_fn, param_groups
+from zoo.bench.timing import print_result
+from zoo.models import create_model
+from zoo.runtime.machine import machine_name
+from zoo.train.compiled import INDUCTOR_CACHE_ENV, CompiledStep, inductor_cache_counts
+from zoo.train.optim import WarmupDecay, build_optimizer, ema_multi_avg_fn, param_groups, set_rates
+from zoo.train.step import compiled_train_loss, train_loss
+
 from . import results
 from .results import command_line
-from .timing import print_result
 
 
 def aten_ops(step) -> int:
@@ -59,10 +60,11 @@ def training_step(name: str, batch: int, compiled: bool):
         for group in optimizer.param_groups:
             group["lr"] = torch.tensor(float(group["lr"]))
         optimizer = CompiledStep(optimizer)
-    scheduler = (StepSchedule if compiled else torch.optim.lr_scheduler.LambdaLR)(optimizer, WarmupDecay(5, 100))
+    schedule, base = WarmupDecay(5, 100), [float(group["lr"]) for group in optimizer.param_groups]
+    steps = [0]
     if compiled:
         optimizer.after_step.append(ema)
-        optimizer.sync_schedule(scheduler, 0)
+        optimizer.sync_schedule(schedule, base, 0)
         loss_fn = compiled_train_loss("cpu")
     else:
         loss_fn = train_loss
@@ -74,10 +76,12 @@ def training_step(name: str, batch: int, compiled: bool):
         return loss
 
     def step():
+        if not compiled:  # the compiled step writes its rates on the device
+            set_rates(optimizer, base, schedule(steps[0]))
         optimizer.step(closure)
         if not compiled:
             ema()
-        scheduler.step()
+        steps[0] += 1
     return step
 
 
@@ -99,7 +103,7 @@ def child(name: str, batch: int) -> dict:
 def run_child(name: str, batch: int, cache: str) -> dict:
     """``child`` in a fresh interpreter whose Inductor cache is ``cache``."""
     env = {**os.environ, INDUCTOR_CACHE_ENV: cache}
-    out = subprocess.run([sys.executable, "-m", "zoo.bench.compiled_step", "--child", name, "--batch", str(batch)],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.compiled_step", "--child", name, "--batch", str(batch)],
                          env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
     if args.results:
         record = results.make("compiled_step", "The compiled training step: aten ops against the eager step's, "
                               "compile seconds in a first and a second process", command_line(
-                                  "zoo.bench.compiled_step", argv), {"rows": results.significant(result["rows"])},
+                                  "benchmarks.compiled_step", argv), {"rows": results.significant(result["rows"])},
                               note="compile seconds are wall time on a machine that may be busy")
         print(results.write(record, args.results))
     return 0

@@ -1,36 +1,33 @@
-"""The LightningDataModule of training and evaluation: CIFAR-10 or any ImageFolder tree (found by ``layout``),
-decoded once into a uint8 tensor cache (``decode``, ``cache``), held in memory (on the GPU when the trainer
-trains on one) and served in whole batches by a plain Dataset whose ``__getitems__`` indexes the tensors once.
-When the images would exceed a memory budget on the device (``stream``), they stay in the memory-mapped cache
-file instead and DataLoader workers read the same batches from it (pinned on CUDA).
-Its dataloaders yield uint8 (B, 3, H, W) images with int64 (B,) labels; ``on_after_batch_transfer`` turns them
-into float images normalised with the training split's mean/std and, in training, applies the batched
-augmentation of ``augment``."""
+"""The images of training and evaluation: ``ImageData`` finds CIFAR-10 or any ImageFolder tree (``layout``), decodes
+it once into a uint8 tensor cache (``decode``, ``cache``), holds it in memory (on the GPU when a run trains on one)
+and serves whole batches through a plain Dataset whose ``__getitems__`` indexes the tensors once. When the images
+would exceed a memory budget on the device (``stream``), they stay in the memory-mapped cache file instead and
+DataLoader workers read the same batches from it (pinned on CUDA). Its loaders yield uint8 (B, 3, H, W) images
+with int64 (B,) labels; ``normalize`` turns them into float images normalised with the training split's mean/std
+and ``augment`` applies the batched training augmentation on their device. No framework is needed: a training loop
+calls these, and so do the evaluations."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.data import suggested_max_num_workers
 from torch.utils.data import DataLoader, Dataset
 
-from ..distributed import ContiguousShard, GlobalBatchShard
-from ..preemption import EpochOrder
 from .augment import AlternatingFlip, BatchAugment, augment_config
 from .cache import cache_path, load_or_build
 from .layout import find_layout
+from .samplers import ContiguousShard, EpochOrder, GlobalBatchShard
 from .stream import MappedBatches, stream_needed
 
-__all__ = ["ImageDataModule"]
+__all__ = ["ImageData"]
 
 
 class _TensorBatches(Dataset):
     """Images uint8 (N, 3, H, W) and labels int64 (N,) in memory; ``__getitems__`` returns a whole batch as
-    ``(images, labels)`` in one indexing op, so a plain (or Lightning's distributed) sampler drives it."""
+    ``(images, labels)`` in one indexing op, so a plain (or a distributed) sampler drives it."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, flip: AlternatingFlip | None = None):
         self.images, self.labels, self.flip = images, labels, flip
@@ -59,8 +56,7 @@ def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class _TrainLoader(DataLoader):
     """The training DataLoader: creating its iterator starts an epoch of ``order`` (before torch draws anything
-    from the shuffle generator), so a checkpoint can name the epoch's data order. Its own state is empty (the data
-    module's checkpoint state holds the order); having one tells Lightning that a mid-epoch resume is exact."""
+    from the shuffle generator), so a checkpoint can name the epoch's data order (``ImageData.order_state``)."""
 
     def __init__(self, *args, order: EpochOrder, **kwargs):
         super().__init__(*args, **kwargs)
@@ -69,12 +65,6 @@ class _TrainLoader(DataLoader):
     def __iter__(self):
         self.order.start_epoch()
         return super().__iter__()
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 def _as_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +90,7 @@ def _check_arguments(sizes: dict[str, int | None], device_cache: str | torch.dev
             raise ValueError(f"device_cache must be 'auto' or a device, got {device_cache!r}") from err
 
 
-class ImageDataModule(pl.LightningDataModule):
+class ImageData:
     """CIFAR-10 or an ImageFolder tree as a uint8 tensor cache, with batched on-device augmentation.
 
     Args:
@@ -117,14 +107,15 @@ class ImageDataModule(pl.LightningDataModule):
             ``randaugment`` is None or ``{"num_ops": 2, "magnitude": 9}``.
         cache_dir: where the cache file goes. Default: ``$XDG_CACHE_HOME/zoo/<hash of the data path>``, or
             ``~/.cache/zoo/<hash of the data path>`` when that variable is unset; never the data folder.
-        device_cache: "auto" (the trainer's root device when a trainer is attached, else CPU) or a device.
+        device_cache: where ``setup`` puts the decoded images: "auto" (the device ``setup`` is given, else the
+            CPU) or a device.
         max_train_images / max_test_images: seeded random subsets (only the chosen files are decoded).
         splits: the splits to decode, ("train", "test") or ("test",) for evaluation: a test-only module has no
             mean / std of its own (give them with ``use_normalization``) and cannot be set up for "fit".
         memory_budget: GiB of device memory the decoded images (all splits) may take; above it they stream from
             the memory-mapped cache file (``streamed`` is then True). None: half of the device's free memory.
-        stream_workers: DataLoader workers of the streamed path (None: Lightning's suggestion for the CPU
-            cores per device, at most 8).
+        stream_workers: DataLoader workers of the streamed path (None: the CPU cores this process may use, less
+            one, at most 8).
 
     After ``setup``: ``num_classes``, ``class_names``, ``mean``, ``std`` (3-tuples in [0, 1] units, of the
     whole train split), ``img_size``, and the datasets ``train_dataset`` / ``val_dataset`` / ``test_dataset``
@@ -150,14 +141,12 @@ class ImageDataModule(pl.LightningDataModule):
         memory_budget: float | None = None,
         stream_workers: int | None = None,
     ):
-        super().__init__()
         _check_arguments({"img_size": img_size, "batch_size": batch_size, "eval_batch_size": eval_batch_size,
                           "val_size": val_size, "max_train_images": max_train_images,
                           "max_test_images": max_test_images, "stream_workers": stream_workers}, device_cache,
                          memory_budget)
         if "test" not in splits or not set(splits) <= {"train", "test"}:
             raise ValueError(f"splits must be ('train', 'test') or ('test',), got {splits!r}")
-        self.save_hyperparameters()
         self.data_dir = Path(data_dir) if data_dir is not None else Path("data")
         self.download = download or data_dir is None
         self.img_size = img_size
@@ -173,7 +162,9 @@ class ImageDataModule(pl.LightningDataModule):
         self.splits = tuple(splits)
         self.memory_budget, self.stream_workers = memory_budget, stream_workers
         self.streamed: bool | None = None  # decided in setup
-        self._trainer_decision: tuple[torch.device, bool] | None = None  # streamed, as decided with the trainer
+        self.epoch = 0  # the training epoch the loader serves (the alternating flip mirrors by it)
+        self._decided: tuple[torch.device, bool] | None = None  # (device, streamed) as decided by the ranks together
+        self._device = torch.device("cpu")  # where setup put the images (or copies the streamed batches to)
         self.num_classes: int | None = None
         self.class_names: list[str] | None = None
         self.mean: tuple[float, float, float] | None = None
@@ -198,8 +189,28 @@ class ImageDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Find the data (downloading CIFAR-10 only where allowed) and build or validate the uint8 cache, once per
-        module: Lightning calls this again before fit and test, and validating stats every data file."""
+        object: validating stats every data file."""
         self._cache = self._cache if self._cache is not None else self._load_or_build()
+        self._read_facts()
+
+    def _read_facts(self) -> None:
+        """The classes and the training split's statistics, from the cache."""
+        cache = self._cache
+        self.class_names = list(cache["class_names"])
+        self.num_classes = len(self.class_names)
+        if cache["mean"] is not None:  # a test-only cache has none: use_normalization gives them
+            self.mean, self.std = tuple(cache["mean"]), tuple(cache["std"])
+
+    @property
+    def num_train_images(self) -> int:
+        """The training split's images (less the validation images) as decoded (0 before ``prepare_data``); a
+        validation split of all of them or more -> ValueError."""
+        if self._cache is None:
+            return 0
+        n = len(self._cache["train_labels"])
+        if self.val_size >= n:
+            raise ValueError(f"val_size must be below the {n} training images, got {self.val_size}")
+        return n - self.val_size
 
     @property
     def num_test_images(self) -> int:
@@ -233,22 +244,26 @@ class ImageDataModule(pl.LightningDataModule):
 
     # ---------------------------------------------------------------- setup and loaders
 
-    def setup(self, stage: str | None = None) -> None:
-        """Load the cache (building it if needed), split off the seeded validation set, move to the device."""
+    def setup(self, stage: str | None = None, device: torch.device | str | None = None,
+              agree: Callable[[bool], bool] | None = None) -> None:
+        """Load the cache (building it if needed), split off the seeded validation set and put the images on
+        ``device`` (with ``device_cache`` "auto"; else where ``device_cache`` says), or leave them in the cache file
+        when they exceed the memory budget there. ``stage``: "fit" (train and validation splits), "test", or None
+        (all). ``agree``: under several processes, a collective that makes the streaming decision one for all ranks
+        (True where any rank's is True); every rank calls ``setup`` together then."""
         if self._cache is None:
             self._cache = self._load_or_build()
         cache = self._cache
-        self.class_names = list(cache["class_names"])
-        self.num_classes = len(self.class_names)
-        if cache["mean"] is not None:  # a test-only cache has none: use_normalization gives them
-            self.mean, self.std = tuple(cache["mean"]), tuple(cache["std"])
+        if self.class_names is None:
+            self._read_facts()
         self._stats.clear()
         self._augment = BatchAugment(self.augment_config, self.num_classes)
-        device = self._cache_device()
-        self.streamed = self._stream(cache, device)
-        if stage in (None, "fit", "validate") and "train" not in self.splits:
-            raise ValueError(f"this data module decoded only {self.splits}: it cannot be set up for {stage!r}")
-        if stage in (None, "fit", "validate"):
+        device = self._cache_device(device)
+        self._device = device
+        self.streamed = self._stream(cache, device, agree)
+        if stage in (None, "fit") and "train" not in self.splits:
+            raise ValueError(f"this data decoded only {self.splits}: it cannot be set up for {stage!r}")
+        if stage in (None, "fit"):
             n = len(cache["train_labels"])
             if self.val_size >= n:
                 raise ValueError(f"val_size must be below the {n} training images, got {self.val_size}")
@@ -264,57 +279,49 @@ class ImageDataModule(pl.LightningDataModule):
             else:
                 self.train_dataset = _TensorBatches(images[train_idx].to(device), labels[train_idx].to(device), flip)
                 self.val_dataset = _TensorBatches(images[val_idx].to(device), labels[val_idx].to(device))
-        if stage in (None, "test", "predict"):
+        if stage in (None, "test"):
             images, labels = cache["test_images"], cache["test_labels"]
             self.test_dataset = (MappedBatches(self._snapshot(), "test", None, labels) if self.streamed
                                  else _TensorBatches(images.to(device), labels.to(device)))
 
-    def _stream(self, cache: dict, device: torch.device) -> bool:
-        """Whether the decoded images exceed the memory budget on ``device`` (on any rank: all ranks then stream);
-        a streamed run needs the cache file, so one that could not be written -> ValueError. Decided once with the
-        trainer per device: the test's setup keeps the fit's choice (the device's free memory then excludes the
-        resident training images, the model and the optimizer)."""
-        if self.trainer is not None and self._trainer_decision and self._trainer_decision[0] == device:
-            return self._trainer_decision[1]
+    def _stream(self, cache: dict, device: torch.device, agree: Callable[[bool], bool] | None) -> bool:
+        """Whether the decoded images exceed the memory budget on ``device`` (with ``agree``: on any rank, so all
+        ranks then stream); a streamed run needs the cache file, so one that could not be written -> ValueError.
+        Decided once per device: a later ``setup`` (the test's after the fit's) keeps the choice, as the device's
+        free memory then excludes the resident training images, the model and the optimizer."""
+        if self._decided is not None and self._decided[0] == device:
+            return self._decided[1]
         nbytes = cache["train_images"].nbytes + cache["test_images"].nbytes
         stream = stream_needed(nbytes, device, self.memory_budget)
-        # in the trainer's setup every rank is here together (not so in a rank_zero_first build before it)
-        if self.trainer is not None and self._ranks()[0] > 1 and torch.distributed.is_initialized():
-            stream = self.trainer.strategy.reduce_boolean_decision(stream, all=False)
+        if agree is not None:
+            stream = agree(stream)
         if stream and (self._cache_file is None or not self._cache_file.is_file()):
             raise ValueError(f"the {nbytes / 2**30:.2f} GiB of decoded images exceed the memory budget on {device} "
                              f"and are read from the cache file, which could not be written: give a writable "
                              f"--cache-dir")
-        if self.trainer is not None:
-            self._trainer_decision = (device, stream)
+        self._decided = (device, stream)
         return stream
 
-    def state_dict(self) -> dict:
-        """In a checkpoint: the training data order (``preemption.EpochOrder``) at the trainer's step."""
-        if self.trainer is None:
-            return {}
-        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return {"train_order": self._order.state_dict(done, done >= self.trainer.num_training_batches)}
+    def order_state(self, batches_done: int, epoch_done: bool) -> dict:
+        """For a checkpoint: where the training data order stands (``samplers.EpochOrder``) after ``batches_done``
+        global batches of the current epoch, or at the start of the next one (``epoch_done``)."""
+        return self._order.state_dict(batches_done, epoch_done)
 
-    def load_state_dict(self, state: dict) -> None:
-        if "train_order" in state:  # checkpoints written before the order was recorded continue approximately
-            self._order.load_state_dict(state["train_order"])
+    def load_order_state(self, state: dict) -> None:
+        """Continue the data order ``order_state`` described: the next training loader starts where it stood."""
+        self._order.load_state_dict(state)
 
     def _current_epoch(self) -> int:
-        return self.trainer.current_epoch if self.trainer is not None else 0
+        return self.epoch
 
-    def _cache_device(self) -> torch.device:
+    def _cache_device(self, device: torch.device | str | None) -> torch.device:
         if self.device_cache != "auto":
             return torch.device(self.device_cache)
-        if self.trainer is not None:
-            return self.trainer.strategy.root_device
-        return torch.device("cpu")
+        return torch.device(device) if device is not None else torch.device("cpu")
 
     def _ranks(self) -> tuple[int, int]:
-        """``(world size, global rank)`` of the attached trainer, else of the open process group (an evaluation
-        under torchrun), else ``(1, 0)``."""
-        if self.trainer is not None:
-            return self.trainer.world_size, self.trainer.global_rank
+        """``(world size, global rank)`` of the open process group (a run or an evaluation on several processes),
+        else ``(1, 0)``."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.get_world_size(), torch.distributed.get_rank()
         return 1, 0
@@ -335,22 +342,20 @@ class ImageDataModule(pl.LightningDataModule):
         """The streamed path's DataLoader arguments: workers reading the memory map, pinned batches on CUDA."""
         workers = self.stream_workers
         if workers is None:
-            workers = min(8, suggested_max_num_workers(self.trainer.num_devices if self.trainer else 1))
-        return {"num_workers": workers, "pin_memory": self._cache_device().type == "cuda"}
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            workers = min(8, max(cores - 1, 0))
+        return {"num_workers": workers, "pin_memory": self._device.type == "cuda"}
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled (seeded; a new order each epoch) uint8 batches; the last incomplete batch is dropped. Under
         several processes ``batch_size`` is the global batch and each rank gets its slice of it
-        (``distributed.GlobalBatchShard``); validation and test shards are unpadded (``ContiguousShard``)."""
+        (``samplers.GlobalBatchShard``); validation and test shards are unpadded (``ContiguousShard``)."""
         return self._loader(self.train_dataset, "train", train=True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, "validation", train=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_dataset, "test", train=False)
-
-    def predict_dataloader(self) -> DataLoader:
         return self._loader(self.test_dataset, "test", train=False)
 
     # ---------------------------------------------------------------- transforms
@@ -391,10 +396,3 @@ class ImageDataModule(pl.LightningDataModule):
             raise ValueError("the augmentation needs the number of classes: call setup() first")
         world, rank = self._ranks()  # the batch is this rank's slice of the global batch
         return self._augment(images, labels, self.normalize, shard=(rank, world))
-
-    def on_after_batch_transfer(self, batch, dataloader_idx: int = 0):
-        """On the batch's device: ``augment`` while the trainer trains, else only ``normalize``."""
-        images, labels = batch
-        if self.trainer is not None and self.trainer.training:
-            return self.augment(images, labels)
-        return self.normalize(images), labels

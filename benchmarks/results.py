@@ -1,4 +1,4 @@
-"""Measurements as data: one JSON file per measurement under ``results/``, which ``python -m zoo.bench.report``
+"""Measurements as data: one JSON file per measurement under ``results/``, which ``python -m benchmarks.report``
 renders into BENCHMARKS.md and README's results table.
 
 A file holds ``kind`` (one of ``KINDS``), ``title``, ``machine`` (``machine_facts()``: an ``id`` that groups
@@ -7,7 +7,7 @@ memory, GPU), ``command`` (what to run to measure it again), ``versions`` (pytho
 ``date`` (YYYY-MM-DD) and ``numbers`` (the kind's fields, ``REQUIRED``), optionally ``note``. ``write`` refuses
 a file that ``validate`` finds wrong; ``read`` / ``read_all`` validate what they load.
 
-    python -m zoo.bench.results RUN_DIR [RUN_DIR ...] --out results   # a training run's summary.json as a file
+    python -m benchmarks.results RUN_DIR [RUN_DIR ...] --out results   # a training run's summary.json as a file
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_text
+from zoo.atomic import atomic_write_text
+from zoo.runtime.machine import machine_facts
 
 KINDS = ("train", "shipped", "model_info", "modes", "optimizer_cost", "muon", "suite", "sparse", "faithfulness",
          "gpu", "compiled_step", "tried")
@@ -36,7 +37,7 @@ REQUIRED = {
     "model_info": ("rows",), "modes": ("rows",), "optimizer_cost": ("rows",), "muon": ("rows",),
     "suite": ("attention_op", "whole_model"), "sparse": ("rows", "claims"), "faithfulness": ("rows",),
     "gpu": ("rows",), "compiled_step": ("rows",),
-    # a change tried toward a target: its metric per seed with it and without it (zoo.bench.report_targets)
+    # a change tried toward a target: its metric per seed with it and without it (benchmarks.report_targets)
     "tried": ("target", "metric", "budget", "precision", "rows"),
 }
 ROW_FIELDS = {"tried": ("change", "with", "without")}  # what each of a kind's rows must have
@@ -47,44 +48,6 @@ FLAGS = ("avx512_bf16", "amx")  # what decides whether bf16 is native on a CPU
 
 class ResultError(ValueError):
     """A results file that is not one (names the file and what is wrong)."""
-
-
-def _cpuinfo_fields(text: str) -> dict[str, str]:
-    """The first processor's ``key: value`` lines of /proc/cpuinfo."""
-    fields = {}
-    for line in text.splitlines():
-        if not line.strip():
-            if fields:
-                break
-            continue
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
-def machine_facts(cpuinfo: str | None = None, meminfo: str | None = None) -> dict:
-    """This machine as a results file records it, from /proc/cpuinfo and /proc/meminfo (or the texts given) and
-    torch. ``id`` is ``<vendor>-f<family>-m<model>`` (plus ``-<gpu>`` with one), so runs on one kind of machine
-    group together."""
-    if cpuinfo is None:
-        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    if meminfo is None:
-        meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
-    info = _cpuinfo_fields(cpuinfo)
-    flags = set(info.get("flags", "").split())
-    vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(info.get("vendor_id", ""),
-                                                                  info.get("vendor_id", platform.machine()).lower())
-    family = int(info["cpu family"]) if info.get("cpu family", "").isdigit() else None
-    model = int(info["model"]) if info.get("model", "").isdigit() else None
-    mem = re.search(r"MemTotal:\s+(\d+) kB", meminfo)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    ident = f"{vendor}-f{family}-m{model}" + (f"-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}" if gpu else "")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"id": ident, "cpu": info.get("model name", platform.processor() or platform.machine()),
-            "vendor": vendor, "family": family, "model": model,
-            "flags": {"avx512_bf16": "avx512_bf16" in flags, "amx": bool({"amx_bf16", "amx_tile"} & flags)},
-            "cores": cores, "threads": torch.get_num_threads(),
-            "memory_gib": round(int(mem.group(1)) / 2**20) if mem else None, "gpu": gpu}
 
 
 def _git_commit() -> str | None:
@@ -282,8 +245,8 @@ def from_run(run_dir: str | Path, *, setting: str = "", command: str | None = No
 def from_suite(found: dict, command: str) -> dict:
     """The suite's results (``run_suite``'s, as its bench.json holds them) as a "suite" record, in the report's
     fields."""
-    from .suite import gemm_setting
-    from .timing import PRECISIONS
+    from zoo.bench.suite import gemm_setting
+    from zoo.bench.timing import PRECISIONS
 
     model, mfu = found["models"][0], found["mfu"][0]
     precision = model["precision"]
@@ -315,7 +278,7 @@ def from_suite(found: dict, command: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zoo.bench.results", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.results", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="finished training runs (summary.json, config.yaml)")
     p.add_argument("--out", default="results", help="the results folder")
     p.add_argument("--setting", default="", help='the run\'s overrides of the CPU recipe\'s command, e.g. '

@@ -1,34 +1,20 @@
-"""What a run means on several processes (DESIGN's hardware contract): ``batch_size`` is the global batch, split
-across the ranks (``split_batch``); the training sampler cuts one seeded permutation into global batches and gives
-each rank its slice of every one (``GlobalBatchShard``), so the steps per epoch and the images of each optimizer step
-do not depend on the world size; validation and test shards are unpadded (``ContiguousShard``), so with sum-reduced
-metrics every image counts exactly once. Under an external launcher (torchrun, SLURM) the process group is opened
-before the run directory is chosen, so rank 0 chooses and every rank receives the choice (``on_rank_zero``)."""
+"""Several processes, as the zoo's commands meet them: the launcher that started this one (torchrun or SLURM, found
+by Lightning's cluster environments), the number of processes a run trains on, the process group opened before a
+run chooses anything (so rank 0 chooses its run directory and every rank receives the choice: ``on_rank_zero``), a
+build that one process makes first and the others then find (``rank_zero_first``: the data cache), and a failure on
+one rank that reaches every rank instead of leaving them waiting."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from datetime import timedelta
 from typing import TypeVar
 
 import torch
-from einops import rearrange
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment, TorchElasticEnvironment
-from lightning.fabric.utilities.distributed import _init_dist_connection
-from torch.utils.data import Dataset, DistributedSampler
 
 T = TypeVar("T")
-
-
-def split_batch(global_batch: int, world_size: int, what: str = "batch_size") -> int:
-    """The per-rank share of ``global_batch``; ValueError (one line, naming the fix) when it does not divide."""
-    if global_batch % world_size:
-        low, high = global_batch // world_size * world_size, -(-global_batch // world_size) * world_size
-        options = f"{low} or {high}" if low else str(high)
-        raise ValueError(f"{what} {global_batch} is the global batch and must divide among the {world_size} "
-                         f"processes (devices x nodes): give a multiple of {world_size}, e.g. {options}")
-    return global_batch // world_size
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 
 
 def device_count(devices: int | str, accelerator: str) -> int:
@@ -44,9 +30,11 @@ def device_count(devices: int | str, accelerator: str) -> int:
     return (os.cpu_count() or 1) if devices == -1 else 1
 
 
-def external_environment() -> ClusterEnvironment | None:
+def external_environment():
     """torchrun's or SLURM's cluster environment when one of them started this process (Lightning's detection and
     order: torchrun first, it also runs inside SLURM), else None."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
     for environment in (TorchElasticEnvironment, SLURMEnvironment):
         if environment.detect():
             return environment()
@@ -61,7 +49,7 @@ def planned_world_size(devices: int | str, num_nodes: int, accelerator: str) -> 
 
 def open_process_group(accelerator: str) -> bool:
     """Under an external launcher with several processes, open the process group now, as Lightning's DDP would (its
-    backend for the device; Lightning then finds it open and uses it). Returns whether one is open."""
+    backend for the device; Fabric then finds it open and uses it). Returns whether one is open."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return True
     environment = external_environment()
@@ -69,8 +57,11 @@ def open_process_group(accelerator: str) -> bool:
         return False
     if accelerator == "gpu":
         torch.cuda.set_device(environment.local_rank())
+    # where rank 0 listens, as the environment says (SLURM's node list and job id, torchrun's variables)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
     # Lightning's timeout (30 min), not NCCL's 10: the other ranks wait in a collective while rank 0 builds the data
-    _init_dist_connection(environment, "nccl" if accelerator == "gpu" else "gloo", timeout=default_pg_timeout)
+    torch.distributed.init_process_group("nccl" if accelerator == "gpu" else "gloo", rank=environment.global_rank(),
+                                         world_size=environment.world_size(), timeout=PROCESS_GROUP_TIMEOUT)
     return True
 
 
@@ -135,48 +126,3 @@ def _raise_on_every_rank(failure: Exception | None) -> None:
         raise failure
     for is_value_error, named, message, rank in filter(None, told):
         raise ValueError(message) if is_value_error else RuntimeError(f"rank {rank} failed: {named}")
-
-
-class GlobalBatchShard(DistributedSampler):
-    """Rank ``rank``'s images of each global batch: every epoch one permutation of the dataset drawn from
-    ``generator`` (the same on every rank) is cut into global batches of ``global_batch`` (an incomplete last one
-    dropped, unless the dataset is smaller than one batch), and each is split into ``num_replicas`` equal slices.
-    With one replica it yields what ``RandomSampler(generator=generator)`` + ``drop_last`` do. ``skip`` (called once
-    per epoch) gives the global batches at the start of the permutation to leave out (a resumed epoch's). A
-    DistributedSampler, so Lightning does not replace it."""
-
-    def __init__(self, dataset: Dataset, global_batch: int, num_replicas: int, rank: int,
-                 generator: torch.Generator, skip: Callable[[], int] | None = None):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, drop_last=True)
-        self.global_batch, self.generator, self.skip = global_batch, generator, skip
-        n = len(dataset)
-        self.local_batch = split_batch(global_batch, num_replicas)
-        # a split smaller than one batch trains on one batch of what divides among the ranks
-        self.used = n // global_batch * global_batch if n >= global_batch else n // num_replicas * num_replicas
-
-    def __len__(self) -> int:
-        return self.used // self.num_replicas
-
-    def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(len(self.dataset), generator=self.generator)[: self.used]
-        share = min(self.local_batch, self.used // self.num_replicas)
-        # this rank's slice of every global batch, step after step
-        shards = rearrange(order, "(step rank image) -> rank (step image)", rank=self.num_replicas, image=share)
-        skip = self.skip() * share if self.skip is not None else 0  # a resumed epoch's batches already trained on
-        return iter(shards[self.rank, skip:].tolist())
-
-
-class ContiguousShard(DistributedSampler):
-    """Rank ``rank``'s contiguous, unpadded share of the dataset in order (sizes differ by at most one image), so
-    evaluation over all ranks sees each image exactly once. A DistributedSampler, so Lightning does not replace it."""
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-        n = len(dataset)
-        self.start, self.stop = rank * n // num_replicas, (rank + 1) * n // num_replicas
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.stop))

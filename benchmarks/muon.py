@@ -6,7 +6,7 @@ dominate. The floor is the iteration's matmul FLOPs at the bf16 matmul rate the 
 (``zoo.bench.suite.gemm_peak_flops``): the time no exact Newton-Schulz in bf16 can beat there, so the loop's time over
 the floor bounds the speed-up any batching can give.
 
-    python -m zoo.bench.muon --models vit_tiny hybrid_tiny --out muon.json
+    python -m benchmarks.muon --models vit_tiny hybrid_tiny --out muon.json
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ import math
 
 import torch
 
-from ..models import create_model
-from ..train.device import interleaved_medians, machine_name
-from ..train.host_memory import keep_freed_memory
-from ..train.optim import FilterMuon, muon_split, param_groups
+from zoo.bench.suite import gemm_peak_flops
+from zoo.bench.timing import print_result
+from zoo.models import create_model
+from zoo.runtime.machine import machine_name
+from zoo.runtime.memory import keep_freed_memory
+from zoo.runtime.timing import interleaved_medians
+from zoo.train.optim import FilterMuon, muon_split, param_groups
+
 from . import results
 from .results import command_line
-from .suite import gemm_peak_flops
-from .timing import print_result
 
 NS_STEPS = 5  # torch's and FilterMuon's default
 
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
     print_result(result, args.out)
     if args.results:
         record = results.make("muon", "One Muon step over a model's matrices: torch's loop against the zoo's batched "
-                              "iteration", command_line("zoo.bench.muon", argv),
+                              "iteration", command_line("benchmarks.muon", argv),
                               {"rows": results.significant(result["rows"]), "keep_freed_memory": kept,
                                "peak_bf16_gflops": round(peak / 1e9, 1)})
         print(results.write(record, args.results))

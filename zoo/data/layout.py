@@ -52,18 +52,6 @@ def find_layout(root: Path, download: bool) -> tuple[str, Path]:
     raise layout_error(root, f"data folder {root} holds no dataset (found {shown})")
 
 
-def data_class_names(root: Path) -> list[str]:
-    """The class names of the data in ``root`` without decoding an image: an ImageFolder tree's sorted train/
-    folders, or CIFAR-10's ``batches.meta`` (read by ``cifar``, which runs no code); no dataset there or a
-    damaged meta file -> DataError (never downloads)."""
-    layout, source = find_layout(root, download=False)
-    if layout == "imagefolder":
-        return sorted(_class_folders(source / "train"))
-    from .cifar import read_label_names  # cifar imports this module
-
-    return read_label_names(source)
-
-
 def download_cifar10(root: Path) -> None:
     """torchvision's CIFAR-10 archive, checked against its md5 and extracted into ``root/cifar-10-batches-py``."""
     try:
@@ -79,7 +67,7 @@ def download_cifar10(root: Path) -> None:
         ) from err
 
 
-def _class_folders(folder: Path) -> list[str]:
+def class_folders(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
 
 
@@ -109,13 +97,13 @@ def warn_odd_classes(root: Path, class_names: list[str]) -> None:
 def list_imagefolder(root: Path) -> tuple[list[str], dict[str, tuple[list[str], list[int]]]]:
     """Class names (the sorted folders of train/) and, per split, the sorted file paths (as strings) with their
     labels."""
-    class_names = sorted(_class_folders(root / "train"))
+    class_names = sorted(class_folders(root / "train"))
     if not class_names:
         raise layout_error(root, f"{root}/train has no class folders")
     warn_odd_classes(root, class_names)
     files: dict[str, tuple[list[Path], list[int]]] = {}
     for split in SPLITS:
-        unknown = sorted(set(_class_folders(root / split)) - set(class_names))
+        unknown = sorted(set(class_folders(root / split)) - set(class_names))
         if unknown:
             raise layout_error(root, f"{root}/{split} has classes {unknown} that {root}/train lacks")
         paths, labels = [], []

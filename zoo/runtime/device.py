@@ -1,32 +1,16 @@
-"""Device choices for a run: which accelerator and precision ``auto`` means here (on a CPU with native bf16, the
-precision measured faster for the run's model), whether the device computes bf16 natively (``ZOO_NATIVE_BF16``
-overrides the CPU detection) and so which dtype Muon's iteration runs in, and a device sync for timings."""
+"""What the device of a run is and can do: which accelerator and precision ``auto`` mean here (on a CPU with native
+bf16, the precision a caller measures faster for its model; elsewhere a rule), whether the device computes bf16
+natively (``ZOO_NATIVE_BF16`` overrides the CPU detection, so every path runs on any machine) and so which dtype
+Muon's iteration runs in, the device an evaluation runs on, and how often a step may read a device value on the
+host."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import json
 import os
-import platform
-import statistics
-import time
-import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
-
-from ..atomic import atomic_write_json, locked
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued work on ``device`` (CUDA, Apple MPS); a no-op on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 def mps_available() -> bool:
@@ -35,29 +19,6 @@ def mps_available() -> bool:
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPU flags of bf16 dot products / tile matmuls
-
-
-def interleaved_medians(candidates: dict[str, Callable[[], object]], device: torch.device | None = None, *,
-                        warmup: int = 1, repeats: int = 5) -> dict[str, float]:
-    """Median wall seconds per call of each candidate after ``warmup`` untimed calls. Repeat r runs every
-    candidate once before repeat r + 1, so drift in the machine's speed hits all candidates alike."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    device = device or torch.device("cpu")
-    for fn in candidates.values():
-        for _ in range(warmup):
-            fn()
-    synchronize(device)
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 NATIVE_BF16_ENV = "ZOO_NATIVE_BF16"  # 0 | 1: overrides the CPU detection, so any machine can play either kind
 
 
@@ -102,8 +63,8 @@ def resolve_precision(precision: str, accelerator: str,
                       faster: Callable[[tuple[str, ...]], str] | None = None) -> str:
     """``auto`` -> bf16-mixed on GPUs that compute it natively, 16-mixed on other GPUs; on a CPU without native
     bf16 (``cpu_has_native_bf16``) 32, and with it ``faster(("32", "bf16-mixed"))``, the one measured faster for the
-    model at hand (``zoo.train.fit`` passes ``faster_precision`` on the run's model), or bf16-mixed when no
-    ``faster`` is given. Why measure (BENCHMARKS.md, ``zoo.bench.modes``): on an Ice Lake CPU without native bf16,
+    model at hand (``zoo.train.loop`` passes ``probes.faster_precision`` on the run's model), or bf16-mixed when no
+    ``faster`` is given. Why measure (BENCHMARKS.md, ``benchmarks.modes``): on an Ice Lake CPU without native bf16,
     emulated bf16 is 1.6-3x slower; on a Zen 5 with avx512_bf16 every model measured trained 1.3-2.3x faster in
     bf16-mixed; on an AMX Xeon hybrid_tiny trains 2.7x faster but vit_nano 0.8x (slower)."""
     if precision != "auto":
@@ -115,60 +76,6 @@ def resolve_precision(precision: str, accelerator: str,
     if not native_bf16("cpu"):
         return "32"
     return faster(("32", "bf16-mixed")) if faster is not None else "bf16-mixed"
-
-
-def faster_precision(model: nn.Module, x: torch.Tensor, precisions: tuple[str, ...], repeats: int = 2,
-                     margin: float = 0.05) -> str:
-    """Of CPU ``precisions`` ("32", "bf16-mixed"), the one in which forward + backward of a copy of ``model`` on
-    the batch ``x`` runs faster: one untimed step each, then ``repeats`` timed steps each, alternating, compared
-    by their medians (``interleaved_medians``). The first precision is kept unless another is faster by more than
-    ``margin`` (a fraction of its time): a near tie is noise, and fp32 is the exact one. ``model`` itself is not
-    touched (its BatchNorm statistics included)."""
-    model = copy.deepcopy(model).train()
-
-    def step(precision: str) -> Callable[[], None]:
-        def run() -> None:
-            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
-                out = model(x)
-            out.float().sum().backward()
-        return run
-
-    seconds = interleaved_medians({p: step(p) for p in precisions}, repeats=repeats)
-    fastest = min(precisions, key=seconds.__getitem__)
-    return fastest if seconds[fastest] < (1 - margin) * seconds[precisions[0]] else precisions[0]
-
-
-def remembered_choice(path: Path, key: str, choose: Callable[[], str],
-                      allowed: Collection[str] | None = None) -> tuple[str, bool]:
-    """``(choice, measured)``: the choice stored under ``key`` in the JSON file ``path``, else ``choose()``'s,
-    stored there. ``--precision auto`` remembers its measurement this way, so two runs of one recipe on one machine
-    train in the same precision. An unreadable file counts as empty; a stored value that is not a string or not
-    one of ``allowed`` counts as missing (a warning, then measured again); an unwritable file is left alone. The
-    update re-reads the file and replaces it atomically under a lock (``path`` + ".lock"), so runs that measure at
-    the same time keep each other's entries."""
-    stored = _read_choices(path).get(key)
-    if isinstance(stored, str) and (allowed is None or stored in allowed):
-        return stored, False
-    if stored is not None:
-        shown = f"one of {sorted(allowed)}" if allowed is not None else "a string"
-        warnings.warn(f"{path}: the stored choice {stored!r} is not {shown} here; measuring again", stacklevel=3)
-    chosen = choose()
-    try:
-        with locked(path.with_name(path.name + ".lock")):
-            choices = _read_choices(path)
-            choices[key] = chosen
-            atomic_write_json(path, choices)
-    except OSError:  # an unwritable cache folder costs a measurement next time, not the run
-        pass
-    return chosen, True
-
-
-def _read_choices(path: Path) -> dict:
-    try:
-        choices = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return choices if isinstance(choices, dict) else {}
 
 
 def resolve_accelerator(accelerator: str, devices) -> str:
@@ -212,11 +119,6 @@ def compile_for(setting: bool | str, accelerator: str) -> bool | str:
     return setting
 
 
-def accelerator_of(device: torch.device) -> str:
-    """Lightning's accelerator name of a torch device: gpu (CUDA), mps or cpu."""
-    return {"cuda": "gpu", "mps": "mps"}.get(device.type, "cpu")
-
-
 def eval_device(name: str | None = None) -> torch.device:
     """The device to evaluate on: ``name`` ("cpu", "cuda", "cuda:1", "mps", ...) checked against what exists, or by
     default the GPU when there is one (CUDA, else Apple MPS), else the CPU. Not a device, or one this machine lacks
@@ -241,35 +143,9 @@ def eval_device(name: str | None = None) -> torch.device:
     return device
 
 
-def machine_name(accelerator: str = "cpu") -> str:
-    """What a run's numbers come from, e.g. "Intel(R) Xeon(R) ... (2 cores, avx512_bf16: no)" or a GPU name."""
-    if accelerator == "gpu" and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    if accelerator == "mps":
-        return f"Apple MPS ({platform.machine()}, macOS {platform.mac_ver()[0]})"
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
-                    platform.processor() or platform.machine())
-    except OSError:
-        name = platform.processor() or platform.machine()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name} ({cores} cores, native bf16: {'yes' if cpu_has_native_bf16() else 'no'})"
-
-
 def host_sync_every(device_type: str) -> int:
     """Optimizer steps between the checks that cost a host sync on an accelerator (the NaN flag; under several
     processes each decision all ranks share, a collective): on a CPU (``device_type`` "cpu") every step, where
     they cost nothing; on a GPU ("cuda", "gpu", "mps") every 50th, under a second of training for the zoo's
     models."""
     return 1 if device_type == "cpu" else 50
-
-
-@contextlib.contextmanager
-def forked_generators(device: torch.device, seed: int):
-    """torch's CPU generator and ``device``'s alone (no other GPU's) seeded with ``seed`` inside the block, set back
-    as they were after."""
-    accelerator = [] if device.type == "cpu" else [device.index or 0]
-    with torch.random.fork_rng(devices=accelerator, device_type="cuda" if device.type == "cpu" else device.type):
-        torch.manual_seed(seed)
-        yield

@@ -6,8 +6,8 @@ Variants run seed by seed, interleaved (every variant's seed 0, then every seed 
 spreads over all of them. Results go to ``ablation.csv`` (a finished (variant, seed) is not run again: a
 stopped ablation resumes) and ``ablation.md``.
 
-    python -m zoo.bench.ablation --data-dir DATA --out out/ablation --seeds 0 1
-    ZOO_NATIVE_BF16=0 python -m zoo.bench.ablation --data-dir DATA --out out/no_bf16 --seeds 0 --variants recipe adamw
+    python -m benchmarks.ablation --data-dir DATA --out out/ablation --seeds 0 1
+    ZOO_NATIVE_BF16=0 python -m benchmarks.ablation --data-dir DATA --out out/no_bf16 --seeds 0 --variants recipe adamw
 
 ``--set KEY=VALUE`` (repeatable) goes to every variant's command (``--model vit_tiny --set tta=0``).
 """
@@ -22,7 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..atomic import atomic_write_csv, atomic_write_text
+from zoo.atomic import atomic_write_csv, atomic_write_text
+
 from . import results
 
 # name -> the --set overrides that make it from the recipe; "recipe" is the recipe itself.
@@ -91,7 +92,7 @@ def check_settings(p: argparse.ArgumentParser, model: str, config: str, override
     """Each run's recipe (``model``, ``config`` and one list of ``--set`` overrides a run) resolved before the first
     run starts, so that a bad setting stops the command within seconds, in one line (exit 2), and not after the
     runs before it have trained."""
-    from ..train.recipe import resolve_config
+    from zoo.train.recipe import resolve_config
 
     for sets in overrides:
         try:
@@ -174,11 +175,11 @@ def main(argv=None) -> int:
             try:
                 rows.append(run_one(variant, seed, args))
             except subprocess.CalledProcessError as err:
-                return run_stopped("zoo.bench.ablation", f"the {variant} run of seed {seed}", err, table)
+                return run_stopped("benchmarks.ablation", f"the {variant} run of seed {seed}", err, table)
             if args.results:  # the run's summary.json (and eval/metrics.json) as a results file
                 setting = " ".join(f"--set {o}" for o in (*args.set, *VARIANTS[variant]))
                 print(results.write(results.from_run(rows[-1]["run_dir"], setting=setting,
-                                                     command=results.command_line("zoo.bench.ablation", argv)),
+                                                     command=results.command_line("benchmarks.ablation", argv)),
                                     args.results))
             atomic_write_csv(table, FIELDS, rows)  # rewritten whole after each run: a stop loses no row
             atomic_write_text(args.out / "ablation.md", ablation_table(rows))
