@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from zoo.atomic import atomic_write_csv, atomic_write_text
+from zoo.runtime.console import markdown_table
 
 from . import results
 
@@ -128,8 +129,7 @@ def ablation_table(rows: list[dict]) -> str:
     paired (same seed) differences from the recipe; TTA's own gain is the recipe's TTA minus plain."""
     by = {(r["variant"], int(r["seed"])): r for r in rows}
     base = {seed: r for (v, seed), r in by.items() if v == "recipe"}
-    lines = ["| variant | overrides | seeds | test top-1, TTA (per seed) | mean | vs recipe (paired) | "
-             "without TTA: mean | vs recipe | steps (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for variant in VARIANTS:
         runs = sorted((seed, r) for (v, seed), r in by.items() if v == variant)
         if not runs:
@@ -141,11 +141,12 @@ def ablation_table(rows: list[dict]) -> str:
         delta = ["", ""]  # the recipe's own row, or a variant with no recipe run of its seeds
         if paired and variant != "recipe":
             delta = [f"{statistics.mean(p[i] for p in paired):+.4f}" for i in (0, 1)]
-        lines.append(
-            f"| {variant} | {' '.join(VARIANTS[variant]) or '(configs/cpu_budget.yaml)'} | "
-            f"{', '.join(str(s) for s, _ in runs)} | {', '.join(f'{a:.4f}' for a in tta)} | "
-            f"{statistics.mean(tta):.4f} | {delta[0]} | {statistics.mean(plain):.4f} | {delta[1]} | "
-            f"{statistics.mean(int(r['steps']) for _, r in runs):.0f} |")
+        rows.append([variant, " ".join(VARIANTS[variant]) or "(configs/cpu_budget.yaml)",
+                     ", ".join(str(s) for s, _ in runs), ", ".join(f"{a:.4f}" for a in tta),
+                     f"{statistics.mean(tta):.4f}", delta[0], f"{statistics.mean(plain):.4f}", delta[1],
+                     f"{statistics.mean(int(r['steps']) for _, r in runs):.0f}"])
+    lines = markdown_table(["variant", "overrides", "seeds", "test top-1, TTA (per seed)", "mean",
+                            "vs recipe (paired)", "without TTA: mean", "vs recipe", "steps (mean)"], rows)
     if base:
         gain = statistics.mean(float(r["test_top1_tta"]) - float(r["test_top1_plain"]) for r in base.values())
         lines.append(f"\nTest-time augmentation on the recipe's weights: {gain:+.4f} (mean over seeds).")

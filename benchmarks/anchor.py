@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from zoo.atomic import atomic_write_csv, atomic_write_text
+from zoo.runtime.console import markdown_table
 from zoo.runtime.memory import MMAP_THRESHOLD, TRIM_THRESHOLD
 
 from . import ablation, results
@@ -141,15 +142,15 @@ def pairing_table(rows: list[dict]) -> str:
     paired difference zoo - anchor with its standard error."""
     by = {(int(r["seed"]), r["side"]): r for r in rows}
     seeds = sorted({seed for seed, _ in by})
-    lines = ["| seed | zoo (TTA / plain) | anchor (TTA / plain) | anchor epochs | zoo - anchor (TTA) |",
-             "|---|---|---|---|---|"]
+    rows = []
     for seed in seeds:
         zoo, anchor = by.get((seed, "zoo")), by.get((seed, "anchor"))
         cell = {side: f"{float(r['test_top1_tta']):.4f} / {float(r['test_top1_plain']):.4f}" if r else "—"
                 for side, r in (("zoo", zoo), ("anchor", anchor))}
         delta = f"{float(zoo['test_top1_tta']) - float(anchor['test_top1_tta']):+.4f}" if zoo and anchor else "—"
-        lines.append(f"| {seed} | {cell['zoo']} | {cell['anchor']} | {anchor['epochs'] if anchor else '—'} | "
-                     f"{delta} |")
+        rows.append([seed, cell["zoo"], cell["anchor"], anchor["epochs"] if anchor else "—", delta])
+    lines = markdown_table(["seed", "zoo (TTA / plain)", "anchor (TTA / plain)", "anchor epochs",
+                            "zoo - anchor (TTA)"], rows)
     for side in ("zoo", "anchor"):
         values = [float(r["test_top1_tta"]) for (_, s), r in sorted(by.items()) if s == side]
         if values:
@@ -169,10 +170,10 @@ def side_by_side(result: dict) -> list[str]:
     """``benchmarks.gpu_check``'s anchor step as one table, airbench94 beside the zoo's speedrun."""
     if "zoo_wall_s" not in result:
         return []
-    lines = ["| | airbench94 | zoo hybrid_tiny (gpu_speedrun) |", "|---|---|---|"]
-    for label, key in SIDE_BY_SIDE:
-        lines.append(f"| {label} | {result['anchor_' + key]:.4g} | {result['zoo_' + key]:.4g} |"
-                     if result.get("zoo_" + key) is not None else f"| {label} | {result['anchor_' + key]:.4g} | — |")
+    lines = markdown_table(["", "airbench94", "zoo hybrid_tiny (gpu_speedrun)"], [
+        [label, f"{result['anchor_' + key]:.4g}",
+         f"{result['zoo_' + key]:.4g}" if result.get("zoo_" + key) is not None else "—"]
+        for label, key in SIDE_BY_SIDE])
     reached = result["zoo_seconds_to_anchor_top1"]
     target = f"airbench94's test top-1 ({result['anchor_test_top1_tta']:.4f})"
     when = f"never reached {target}" if reached is None else f"first reached {target} after {reached:.1f} s of its fit"

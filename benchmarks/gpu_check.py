@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from zoo.atomic import atomic_write_json, atomic_write_text
+from zoo.runtime.console import markdown_table
 
 from .anchor import prepare_anchor_data, run_anchor, side_by_side
 
@@ -292,9 +293,9 @@ def markdown(report: dict) -> str:
         if not isinstance(result, dict):
             lines += [f"- {step}: {result}", ""]
             continue
-        lines += [f"## {step}", "", "| key | value |", "|---|---|"]
-        lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
-                  for k, v in result.items() if k != "traceback" and not isinstance(v, (dict, list))]
+        lines += [f"## {step}", "", *markdown_table(["key", "value"], [
+            [k, f"{v:.4g}" if isinstance(v, float) else v]
+            for k, v in result.items() if k != "traceback" and not isinstance(v, (dict, list))])]
         lines.append("")
         if step == "anchor" and result.get("ok"):
             lines += side_by_side(result)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import re
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+
+from zoo.runtime.console import markdown_table as table
 
 MODEL_ORDER = ("hybrid_tiny", "vit_nano", "vit_tiny", "hybrid_small", "vit_local_tiny", "resnet18_cbam",
                "resnet18", "vit_small")  # the order of the models in every table
@@ -41,12 +43,6 @@ def mean_sd(values: list[float], count: bool = True) -> str:
     if len(values) == 1:
         return num(values[0]) + n
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}{n}"
-
-
-def table(header: Iterable[str], rows: Iterable[Iterable]) -> list[str]:
-    header = list(header)
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
 def minutes(budget: str) -> float:

@@ -33,6 +33,7 @@ from einops import rearrange
 
 from ..layers.attention import MultiHeadAttention
 from ..layers.masks import spec
+from ..runtime.console import markdown_table
 from .timing import interleaved_medians, synchronize, tensor_peak_memory
 
 DIM, HEADS = 192, 3
@@ -183,9 +184,8 @@ def sparse_claims(rows: list[dict], n: int = 4096, window: int = 64) -> list[dic
 
 def _table(rows: list[dict]) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("—" if v is None else str(v))
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows])
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("—" if v is None else str(v))  # noqa: E731
+    return "\n".join(markdown_table(keys, [[fmt(r.get(k)) for k in keys] for r in rows]))
 
 
 def run(out: str | Path, quick: bool = False, device=None, memory: bool = True) -> dict:

@@ -29,6 +29,7 @@ from ..atomic import atomic_write_json, atomic_write_text
 from ..layers.attention import MultiHeadAttention
 from ..layers.masks import sliding_window_mask, spec
 from ..models import create_model, list_models, model_info
+from ..runtime.console import markdown_table
 from .timing import PRECISIONS, autocast_for, inference_step, interleaved_medians, peak_memory, training_step
 
 
@@ -347,10 +348,8 @@ def machine() -> dict:
 
 def _table(rows: list[dict]) -> str:
     keys = list(rows[0])
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("—" if v is None else str(v))
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("—" if v is None else str(v))  # noqa: E731
+    return "\n".join(markdown_table(keys, [[fmt(r.get(k)) for k in keys] for r in rows]))
 
 
 def run_suite(out: str | Path, data_dir: str | None = None, quick: bool = False, device=None) -> dict:

@@ -14,6 +14,7 @@ from ..bench.timing import measure_inference
 from ..data.run_data import data_for_run
 from ..models.checkpoints import load_run
 from ..models.registry import model_info
+from ..runtime.console import markdown_table
 from ..runtime.device import eval_device
 from . import figures as viz
 from .faithfulness import deletion_test
@@ -145,8 +146,7 @@ def _write_table(rows: list[dict], out: Path, batch_size: int) -> None:
             return "whole test split"
         return cell(row[column])
 
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(shown(r, c) for c in columns) + " |" for r in rows]
+    lines = markdown_table(columns, [[shown(r, c) for c in columns] for r in rows])
     note = ("\nAccuracies are fractions of the test_images test images (the seeded subset a run was tested on, or "
             "that this comparison tested where the run has no test result; an unfinished run has none: its "
             "training did not reach the recipe's end). inference_images_per_s: no-grad forwards of "

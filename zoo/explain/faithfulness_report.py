@@ -27,6 +27,7 @@ from ..atomic import atomic_write_text
 from ..data import ImageData
 from ..data.run_data import data_for_run
 from ..models.checkpoints import load_run, load_shipped
+from ..runtime.console import markdown_table
 from ..runtime.device import eval_device
 from . import figures as viz
 from . import leaderboard as board
@@ -177,13 +178,10 @@ def faithfulness_markdown(rows: list[dict], counts: dict[str, int], sanity: dict
         columns = list(dict.fromkeys((r["metric"], r["removal"]) for r in mine))
         methods = list(dict.fromkeys(r["method"] for r in mine))
         cell = {(r["method"], r["metric"], r["removal"]): r for r in mine}
-        lines += [f"## {model} ({count} test images)", "",
-                  "| method | " + " | ".join(f"{m}, {r} removal" for m, r in columns) + " | flag |",
-                  "|---|" + "---|" * (len(columns) + 1)]
-        for method in methods:
-            lines.append(f"| {method} | " + " | ".join(
-                _cell(cell[method, m, r], best.get((model, r, m)) is cell[method, m, r]) for m, r in columns)
-                + f" | {_flag([cell[method, m, r] for m, r in columns])} |")
+        lines += [f"## {model} ({count} test images)", "", *markdown_table(
+            ["method", *(f"{m}, {r} removal" for m, r in columns), "flag"],
+            [[method, *(_cell(cell[method, m, r], best.get((model, r, m)) is cell[method, m, r]) for m, r in columns),
+              _flag([cell[method, m, r] for m, r in columns])] for method in methods])]
         top = board.best_method(rows, model)
         if top is not None:
             vs_rollout = "" if math.isnan(top["p_vs_rollout"]) else f", p vs rollout {top['p_vs_rollout']:.2g}"
@@ -200,8 +198,7 @@ def _sanity_table(found: dict) -> list[str]:
     lines = [f"Sanity check (Adebayo et al. 2018, cascading randomisation, {found['num_images']} images): Spearman "
              "rank correlation of each method's maps with the trained model's, as the layers are re-initialised "
              "from the top down (each column: that layer and every one left of it). A method that explains the "
-             "model falls towards 0; one that stays near 1 does not depend on those weights.", "",
-             "| method | " + " | ".join(layers) + " |", "|---|" + "---|" * len(layers)]
-    for method, values in found["spearman"].items():
-        lines.append(f"| {method} | " + " | ".join("n/a" if math.isnan(v) else f"{v:.2f}" for v in values) + " |")
-    return lines
+             "model falls towards 0; one that stays near 1 does not depend on those weights.", ""]
+    rows = [[method, *("n/a" if math.isnan(v) else f"{v:.2f}" for v in values)]
+            for method, values in found["spearman"].items()]
+    return lines + markdown_table(["method", *layers], rows)

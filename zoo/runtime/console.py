@@ -1,6 +1,7 @@
 """What train.py and eval.py share at the console: a bad command line or a user error as one line on stderr with
-exit code 2 (never a usage block or a traceback), output that reaches a pipe or a log line by line, the zoo's own
-warnings in one line, and the libraries' routine chatter kept off the first screen (each notice matched by its
+exit code 2 (never a usage block or a traceback), output that reaches a pipe or a log line by line, Markdown tables
+(``markdown_table``, the one table writer), the zoo's own warnings in one line, and the libraries' routine chatter
+kept off the first screen (each notice matched by its
 message, so every other warning and error still shows)."""
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def error_line(prog: str, err: Exception, code: int = 2) -> int:
     return code
 
 
+def markdown_table(header, rows) -> list[str]:
+    """A Markdown table's lines: ``header`` (cell texts) and ``rows`` (iterables of cells, each written with
+    ``str``): the one table writer of the zoo's files and reports."""
+    header = list(header)
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
+
+
 def line_buffered_output() -> None:
     """Each printed line goes out at once also when stdout is a pipe or a file (``| tee``, nohup, a SLURM log),
     where Python would otherwise hold it in a block buffer until the run ends."""
@@ -46,23 +55,11 @@ def line_buffered_output() -> None:
 ZOO_DIR = Path(__file__).resolve().parents[1]  # the zoo package: its own warnings are notices to the user
 _PYTHON_FORM = warnings.formatwarning  # Python's form, kept for every other warning
 
-# Lightning's info lines (rank_zero_info) that repeat what the zoo's own lines say, or advertise
+# Lightning Fabric's info lines (rank_zero_info) that repeat what the zoo's own lines say
 INFO_PREFIXES = (
-    "💡 Tip:",
-    "GPU available:",
-    "TPU available:",
-    "HPU available:",
-    "Using bfloat16 Automatic Mixed Precision",
+    "Using bfloat16 Automatic Mixed Precision",  # the plan line names the precision
     "Using 16-bit Automatic Mixed Precision",
-    "`Trainer(limit_",
-    "`Trainer(val_check_interval",
-    "Loading `train_dataloader` to estimate number of stepping batches",
-    "Restoring states from the checkpoint path",
-    "Loaded model weights from the checkpoint",
     "LOCAL_RANK:",
-    "`Trainer.fit` stopped:",
-    "`weights_only` was not set, defaulting to `False`",  # each checkpoint Lightning writes: the zoo's own files
-    "Found current_model_state in the checkpoint",         # a resumed run's EMA weights, as the zoo means them
 )
 
 # torch's warnings through logging, by logger: messages about a setup the zoo does not use
@@ -75,17 +72,8 @@ TORCH_LOGGED = {
 # warnings raised inside Lightning / torch about their own internals or about settings the zoo makes on purpose
 WARNING_MESSAGES = (
     r".*isinstance\(treespec, LeafSpec\)` is deprecated",    # torch's pytree, called by Lightning
-    r"The number of training batches .* is smaller than the logging interval",  # --limit-train-batches runs
-    r"Precision .* is not supported by the model summary",
-    r"The '\w+_dataloader' does not have many workers",       # the zoo's batches are already on the device
-    r"Checkpoint directory .* exists and is not empty",       # a resumed run writes into its own checkpoints/
     r"You are using a CUDA device .* that has Tensor Cores",  # the zoo sets float32_matmul_precision itself
     r"The `srun` command is available on your system",
-    # the test of best.ckpt: the checkpoint holds the EMA weights already, the test needs no averaging callback
-    r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided",
-    # under DDP: the epoch's training loss and the clock are rank 0's on purpose (reducing the loss would cost a
-    # collective and a host sync at every step, as it is also logged per step)
-    r"It is recommended to use `self.log\('(train/loss|time/elapsed_s)', \.\.\., sync_dist=True\)`",
 )
 
 LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
