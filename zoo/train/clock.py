@@ -95,6 +95,7 @@ class RunClock:
         self._mark: tuple[int, float, float] | None = None  # (step, time, paused) where the timed steps began
         self._full_mark: tuple[int, float, float] | None = None
         self._saved_at = now()  # when this process last wrote last.ckpt (or started)
+        self._stopped: tuple[float, float] | None = None  # (time, paused) when training ended
 
     # ------------------------------------------------------------------ readings
 
@@ -104,9 +105,17 @@ class RunClock:
         self._t0, self._start_step = now(), step
         self.elapsed_before += spent_s
 
+    def stop(self) -> None:
+        """Training ended: the run's seconds, training seconds and images stay as they are now (the test after it
+        is not part of them)."""
+        self._stopped = (now(), self._paused)
+
+    def _now_and_paused(self) -> tuple[float, float]:
+        return self._stopped if self._stopped is not None else (now(), self._paused)
+
     def elapsed(self) -> float:
-        """Seconds of the run so far, its earlier parts included."""
-        return self.elapsed_before + (now() - self._t0 if self._t0 is not None else 0.0)
+        """Seconds of the run so far (until training ended), its earlier parts included."""
+        return self.elapsed_before + (self._now_and_paused()[0] - self._t0 if self._t0 is not None else 0.0)
 
     def checkpoint_written(self) -> None:
         self._saved_at = now()
@@ -120,8 +129,8 @@ class RunClock:
 
     def trained_seconds(self) -> float:
         """Seconds spent training, validation and checkpoint writes left out, earlier parts included."""
-        here = now() - self._t0 - self._paused if self._t0 is not None else 0.0
-        return self.trained_before + here
+        at, paused = self._now_and_paused()
+        return self.trained_before + (at - self._t0 - paused if self._t0 is not None else 0.0)
 
     def images_per_s(self) -> float:
         seconds = self.trained_seconds()

@@ -502,6 +502,7 @@ def train(run: Run, last: Path) -> None:
     run.progress.close()
     if run.last_saved_step != position.step and position.step > 0:
         save_last(run, last)
+    clock.stop()
     fabric.call("on_train_end", run=run)
 
 
